@@ -1,0 +1,24 @@
+"""Backend plumbing: the few operations that differ between JAX and TF.
+
+Each backend module provides:
+
+- `tap(rows, probe, ids, on_backward)`: identity on `rows`; its backward pass
+  hands the row cotangent to `on_backward(ids, grads)` and gives `probe` the
+  cotangent 1 (NaN when the row cotangent is not finite).
+- `dedup(ids, grads, num_rows)`: sum the gradients of equal ids; ids outside
+  `[0, num_rows)` are dropped.
+- `gather(value, ids)` / `scatter(variable, ids, rows)`: read and write
+  touched rows in place.
+"""
+
+import keras
+
+if keras.backend.backend() == "jax":
+    from sparseopt.backend.jax import dedup, gather, scatter, tap  # noqa: F401
+elif keras.backend.backend() == "tensorflow":
+    from sparseopt.backend.tensorflow import dedup, gather, scatter, tap  # noqa: F401
+else:
+    raise ImportError(
+        f"sparseopt supports the 'jax' and 'tensorflow' Keras backends; the "
+        f"current backend is '{keras.backend.backend()}'. Set KERAS_BACKEND."
+    )

@@ -1,0 +1,280 @@
+"""`DispatchOptimizer`: dense variables to a Keras optimizer, tables to updaters."""
+
+import re
+
+import keras
+from keras import ops
+
+from sparseopt.declared import declared_updaters
+from sparseopt.sparse_apply import sparse_apply
+from sparseopt.updaters import Updater
+
+
+@keras.saving.register_keras_serializable(package="sparseopt")
+class DispatchOptimizer(keras.optimizers.Optimizer):
+    """Routes each variable to the optimizer or sparse updater meant for it.
+
+    When built, it collects the updaters that layers declare in
+    `variable_path_to_optimizer_map` (and those given in `optimizer_map`).
+    Declared tables are updated in place on their touched rows only; every
+    other variable goes to `optimizer` (or to the Keras optimizer that
+    `optimizer_map` names for it), which creates slots for those variables
+    only.
+
+    Loss scaling (`loss_scale_factor`, `keras.optimizers.LossScaleOptimizer`)
+    reaches the tables: they see the true gradient, and a step skipped for
+    non-finite gradients leaves them untouched. Clipping, weight decay and EMA
+    of the Keras optimizer act on dense variables only.
+
+    Args:
+        optimizer: the Keras optimizer (instance or name) for dense variables.
+        optimizer_map: optional dict from variable path (exact, else a regex
+            matched with `re.fullmatch`, as in `keras.optimizers.OptimizerMap`)
+            to a Keras optimizer or a `sparseopt.updaters.Updater`. It overrides
+            what layers declare.
+        name: optional name.
+    """
+
+    def __init__(self, optimizer, optimizer_map=None, name=None, **kwargs):
+        optimizer = keras.optimizers.get(optimizer)
+        if isinstance(optimizer, (DispatchOptimizer, keras.optimizers.LossScaleOptimizer)):
+            raise ValueError(
+                "DispatchOptimizer: wrap a plain Keras optimizer. To scale the loss, "
+                "wrap the DispatchOptimizer instead: "
+                "`LossScaleOptimizer(DispatchOptimizer(Adam()))`."
+            )
+        loss_scale_factor = kwargs.pop("loss_scale_factor", optimizer.loss_scale_factor)
+        super().__init__(learning_rate=0.0, name=name, **kwargs)
+        self._default_optimizer = optimizer
+        self._optimizer_map = {}
+        for key, value in (optimizer_map or {}).items():
+            if isinstance(value, dict):
+                value = keras.saving.deserialize_keras_object(value)
+            if not isinstance(value, (Updater, keras.optimizers.Optimizer)):
+                raise TypeError(
+                    f"DispatchOptimizer: optimizer_map['{key}'] must be a Keras "
+                    f"optimizer or a sparseopt updater, got {value!r}."
+                )
+            self._optimizer_map[key] = value
+        self._dense_optimizers = [optimizer] + [
+            v for v in self._optimizer_map.values()
+            if isinstance(v, keras.optimizers.Optimizer) and v is not optimizer
+        ]
+        # One loss scale for everything, as MultiOptimizer does.
+        self.loss_scale_factor = loss_scale_factor
+
+    # -- configuration shared with the wrapped optimizer --------------------
+
+    @property
+    def optimizer(self):
+        """The Keras optimizer for variables that nothing else claims."""
+        return self._default_optimizer
+
+    @property
+    def learning_rate(self):
+        return self._default_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        if hasattr(self, "_default_optimizer"):
+            self._default_optimizer.learning_rate = value
+
+    @property
+    def loss_scale_factor(self):
+        return getattr(self, "_loss_scale_factor", None)
+
+    @loss_scale_factor.setter
+    def loss_scale_factor(self, value):
+        self._loss_scale_factor = value
+        for opt in getattr(self, "_dense_optimizers", []):
+            opt.loss_scale_factor = value
+
+    @property
+    def variables(self):
+        out = self._variables[:]
+        for opt in self._dense_optimizers:
+            out.extend(opt.variables)
+        return out
+
+    # -- routing ------------------------------------------------------------
+
+    def _lookup_map(self, path):
+        if path in self._optimizer_map:
+            return self._optimizer_map[path]
+        hits = [k for k in self._optimizer_map if re.fullmatch(k, path)]
+        if len(hits) > 1:
+            raise ValueError(
+                f"DispatchOptimizer: variable '{path}' matches several optimizer_map "
+                f"keys {hits}; make them exclusive."
+            )
+        return self._optimizer_map[hits[0]] if hits else None
+
+    def build(self, var_list):
+        if self.built:
+            return
+        var_list = list(var_list)
+        declared = declared_updaters(var_list)
+        self._tables = {}  # var key -> (updater, lookup, slots dict)
+        self._probes = {}  # var key -> lookup
+        dense = {id(opt): [] for opt in self._dense_optimizers}
+        self._route = {}
+        for var in var_list:
+            key = self._var_key(var)
+            lookup = getattr(var, "_sparseopt_lookup", None)
+            if getattr(var, "_sparseopt_probe_of", None) is not None:
+                self._probes[key] = var._sparseopt_probe_of
+                continue
+            target = self._lookup_map(var.path)
+            owner = "optimizer_map"
+            if target is None and id(var) in declared:
+                target, owner = declared[id(var)][0], f"layer '{declared[id(var)][1]}'"
+            if isinstance(target, Updater):
+                self._check_table(var, target, lookup, owner)
+                self._tables[key] = (target, lookup, {})
+            elif lookup is not None:
+                raise ValueError(
+                    f"DispatchOptimizer: table '{var.path}' is read by a sparse lookup "
+                    "but has no sparse updater (its dense gradient is always zero). "
+                    "Declare one in the layer's `variable_path_to_optimizer_map` or "
+                    "pass `optimizer_map={'%s': sparseopt.updaters.Adagrad(...)}`."
+                    % var.path
+                )
+            else:
+                opt = target or self._default_optimizer
+                dense[id(opt)].append(var)
+                self._route[key] = opt
+        if self._tables:
+            self._check_dense_options()
+        for opt in self._dense_optimizers:
+            opt.build(dense[id(opt)])
+        with keras.name_scope(self.name, caller=self):
+            for key, (updater, lookup, slots) in self._tables.items():
+                table = lookup.table
+                for spec in updater.slots:
+                    slots[spec.name] = self.add_variable(
+                        shape=spec.shape(table.shape),
+                        initializer=keras.initializers.Constant(spec.initial_value),
+                        dtype=table.dtype,
+                        name=f"{table.path.replace('/', '_')}_{spec.name}",
+                    )
+                slots["__skipped"] = self.add_variable(
+                    shape=(), dtype="int32", initializer="zeros",
+                    name=f"{table.path.replace('/', '_')}_skipped_steps",
+                )
+                lookup.claim(self)
+        super().build(var_list)
+
+    def _check_table(self, var, updater, lookup, owner):
+        if lookup is None:
+            raise ValueError(
+                f"DispatchOptimizer: {owner} assigns updater {updater!r} to "
+                f"'{var.path}', but that variable is not read through "
+                "sparseopt.ops.SparseLookup, so its gradient would be dense and the "
+                "update would cost the whole table. Read it with "
+                "`sparseopt.ops.SparseLookup(layer, variable)` (as "
+                "sparseopt.layers.SparseEmbedding does), or give it a Keras optimizer."
+            )
+
+    def _check_dense_options(self):
+        for opt in self._dense_optimizers:
+            if opt.gradient_accumulation_steps:
+                tables = sorted(lk.table.path for _, lk, _ in self._tables.values())
+                raise ValueError(
+                    f"DispatchOptimizer: `gradient_accumulation_steps="
+                    f"{opt.gradient_accumulation_steps}` on {opt.name} is not supported "
+                    f"with sparse tables {tables}: accumulating their updates would "
+                    "need table-sized buffers. Remove it and use a larger batch "
+                    "(or accumulate in a custom train_step)."
+                )
+
+    def skipped_steps(self):
+        """`{table path: number of steps skipped for non-finite gradients}`."""
+        return {
+            lk.table.path: int(ops.convert_to_numpy(slots["__skipped"].value))
+            for _, lk, slots in self._tables.values()
+        }
+
+    # -- applying -----------------------------------------------------------
+
+    def apply(self, grads, trainable_variables=None):
+        if len(grads) == 0:
+            return
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "DispatchOptimizer: call `build(variables)` or pass "
+                    "`trainable_variables` on the first `apply`."
+                )
+            trainable_variables = self._trainable_variables
+        trainable_variables = list(trainable_variables)
+        if not self.built:
+            self.build(trainable_variables)
+        self._check_variables_are_known(trainable_variables)
+
+        by_opt = {id(opt): ([], []) for opt in self._dense_optimizers}
+        probe_grads = {}
+        for grad, var in zip(grads, trainable_variables):
+            key = self._var_key(var)
+            if key in self._probes:
+                probe_grads[id(self._probes[key])] = grad
+            elif key in self._route and grad is not None:
+                gs, vs = by_opt[id(self._route[key])]
+                gs.append(grad)
+                vs.append(var)
+        for opt in self._dense_optimizers:
+            gs, vs = by_opt[id(opt)]
+            if gs:
+                opt.apply(gs, vs)
+        with keras.name_scope(self.name, caller=self):
+            for updater, lookup, slots in self._tables.values():
+                self._apply_table(updater, lookup, slots, probe_grads.get(id(lookup)))
+        self._iterations.assign_add(1)
+
+    def _apply_table(self, updater, lookup, slots, probe_grad):
+        records = lookup.take_records()
+        if not records:
+            return  # not looked up in this step
+        if probe_grad is None:
+            raise ValueError(
+                f"DispatchOptimizer: table '{lookup.table.path}' was looked up but "
+                "its probe weight got no gradient; pass all of the model's "
+                "trainable variables to `apply`."
+            )
+        # The probe's cotangent is 1 per lookup (NaN if that lookup's row
+        # gradients were not finite); whatever scaled it (loss scaling) scaled
+        # the row gradients the other way round.
+        multiplier = ops.cast(probe_grad, "float32") / float(len(records))
+        if self.loss_scale_factor is not None:
+            multiplier = multiplier / self.loss_scale_factor
+        ids = ops.concatenate([r[0] for r in records], axis=0)
+        grads = ops.concatenate([ops.cast(r[1], "float32") for r in records], axis=0)
+        state = {k: v for k, v in slots.items() if k != "__skipped"}
+        applied = sparse_apply(
+            updater, lookup.table, state, ids, grads * multiplier,
+            updater.learning_rate_at(self._iterations), self._iterations + 1,
+        )
+        slots["__skipped"].assign_add(1 - ops.cast(applied, "int32"))
+
+    def finalize_variable_values(self, var_list):
+        for opt in self._dense_optimizers:
+            opt.finalize_variable_values(
+                [v for v in var_list if self._route.get(self._var_key(v)) is opt]
+            )
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "optimizer": keras.saving.serialize_keras_object(self._default_optimizer),
+            "optimizer_map": {
+                k: keras.saving.serialize_keras_object(v)
+                for k, v in self._optimizer_map.items()
+            },
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        config["optimizer"] = keras.saving.deserialize_keras_object(
+            config["optimizer"], custom_objects=custom_objects
+        )
+        return cls(**config)

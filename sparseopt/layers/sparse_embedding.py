@@ -1,0 +1,104 @@
+"""`SparseEmbedding`: an embedding table trained by its own sparse updater."""
+
+import keras
+from keras import ops
+
+from sparseopt import updaters as updaters_lib
+from sparseopt.ops.lookup import SparseLookup
+
+COMBINERS = (None, "sum", "mean")
+
+
+@keras.saving.register_keras_serializable(package="sparseopt")
+class SparseEmbedding(keras.layers.Layer):
+    """An embedding table updated in place, row by row, by `updater`.
+
+    Compile the model with `sparseopt.DispatchOptimizer`: the table is then
+    trained by `updater` (cost per step proportional to the ids in the batch)
+    while the rest of the model uses the wrapped Keras optimizer.
+
+    Ids outside `[0, input_dim)` (for example `-1` padding in a bag) look up a
+    zero vector, are left out of `"mean"`, receive no update and are counted in
+    `num_dropped_ids`.
+
+    Args:
+        input_dim: number of rows (vocabulary size).
+        output_dim: embedding width.
+        updater: a `sparseopt.updaters.Updater` (e.g. `Adagrad(0.05)`).
+        embeddings_initializer: initializer of the table; defaults to
+            `"uniform"` like `keras.layers.Embedding`.
+        combiner: `None` returns `[..., n, output_dim]` for ids `[..., n]`;
+            `"sum"` or `"mean"` reduce the last id axis (multi-hot bags) to
+            `[..., output_dim]`.
+        **kwargs: base `Layer` arguments (`name`, `dtype`, ...).
+    """
+
+    def __init__(self, input_dim, output_dim, updater, embeddings_initializer="uniform",
+                 combiner=None, **kwargs):
+        super().__init__(**kwargs)
+        if int(input_dim) <= 0 or int(output_dim) <= 0:
+            raise ValueError(
+                f"SparseEmbedding '{self.name}': `input_dim` and `output_dim` must "
+                f"be positive, got {input_dim} and {output_dim}."
+            )
+        if combiner not in COMBINERS:
+            raise ValueError(
+                f"SparseEmbedding '{self.name}': `combiner` must be one of "
+                f"{COMBINERS}, got {combiner!r}."
+            )
+        if isinstance(updater, dict):
+            updater = keras.saving.deserialize_keras_object(updater)
+        if not isinstance(updater, updaters_lib.Updater):
+            raise TypeError(
+                f"SparseEmbedding '{self.name}': `updater` must be a "
+                "sparseopt.updaters.Updater such as sparseopt.updaters.Adagrad(0.05), "
+                f"got {updater!r}."
+            )
+        self.input_dim = int(input_dim)
+        self.output_dim = int(output_dim)
+        self.updater = updater
+        self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
+        self.combiner = combiner
+
+    def build(self, input_shape=None):
+        self.embeddings = self.add_weight(
+            shape=(self.input_dim, self.output_dim),
+            initializer=self.embeddings_initializer,
+            name="embeddings",
+        )
+        self._lookup = SparseLookup(self, self.embeddings)
+
+    @property
+    def variable_path_to_optimizer_map(self):
+        return {self.embeddings.path: self.updater}
+
+    @property
+    def num_dropped_ids(self):
+        """Total ids outside `[0, input_dim)` seen so far (a Keras variable)."""
+        return self._lookup.num_dropped_ids
+
+    def call(self, ids):
+        rows = self._lookup(ids)
+        if self.combiner is None:
+            return rows
+        summed = ops.sum(rows, axis=-2)
+        if self.combiner == "sum":
+            return summed
+        valid = ops.logical_and(ops.greater_equal(ids, 0), ops.less(ids, self.input_dim))
+        count = ops.sum(ops.cast(valid, summed.dtype), axis=-1, keepdims=True)
+        return summed / ops.maximum(count, 1.0)
+
+    def compute_output_shape(self, input_shape):
+        if self.combiner is None:
+            return tuple(input_shape) + (self.output_dim,)
+        return tuple(input_shape[:-1]) + (self.output_dim,)
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "input_dim": self.input_dim,
+            "output_dim": self.output_dim,
+            "updater": keras.saving.serialize_keras_object(self.updater),
+            "embeddings_initializer": keras.initializers.serialize(self.embeddings_initializer),
+            "combiner": self.combiner,
+        }

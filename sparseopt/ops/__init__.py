@@ -1,0 +1,5 @@
+"""Ops for layers that own sparse tables."""
+
+from sparseopt.ops.lookup import SparseLookup
+
+__all__ = ["SparseLookup"]

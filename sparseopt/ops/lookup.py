@@ -1,0 +1,124 @@
+"""`SparseLookup`: read rows of a table so that they can be updated sparsely."""
+
+import weakref
+
+import keras
+from keras import ops
+
+from sparseopt import backend
+
+
+class SparseLookup:
+    """Reads rows of a layer's table and routes their gradient to its updater.
+
+    Create one in the owning layer's `build` and call it in `call`. It adds a
+    scalar weight to the layer (`<table>_sparse_grad`, value unused): Keras'
+    loss scaling and skip logic act on that weight's gradient, which is how
+    `DispatchOptimizer` learns the true scale of the row gradients and whether
+    they are finite. The table itself receives no dense gradient.
+
+    Ids outside `[0, num_rows)` read a zero row, get no update and are counted
+    in `num_dropped_ids` (a non-trainable weight of the layer).
+
+    Args:
+        layer: the `keras.layers.Layer` that owns `table`.
+        table: a 2-D Keras variable of `layer`.
+
+    Example:
+
+    ```python
+    class MyTable(keras.layers.Layer):
+        def build(self, input_shape):
+            self.table = self.add_weight(shape=(1000, 16), name="table")
+            self.lookup = sparseopt.ops.SparseLookup(self, self.table)
+
+        def call(self, ids):
+            return self.lookup(ids)
+
+        @property
+        def variable_path_to_optimizer_map(self):
+            return {self.table.path: sparseopt.updaters.Adagrad(0.1)}
+    ```
+    """
+
+    def __init__(self, layer, table):
+        if len(table.shape) != 2:
+            raise ValueError(
+                f"SparseLookup: table '{table.path}' must be 2-D [rows, width], "
+                f"got shape {table.shape}."
+            )
+        self.table = table
+        base = table.name.replace("/", "_")
+        self.probe = layer.add_weight(
+            shape=(), initializer="zeros", trainable=True, name=f"{base}_sparse_grad",
+            constraint=_PlainOptimizerGuard(layer.name, table.path),
+        )
+        self.num_dropped_ids = layer.add_weight(
+            shape=(), initializer="zeros", dtype="int32", trainable=False,
+            name=f"{base}_dropped_ids",
+        )
+        self.layer_name = layer.name
+        self.records = []
+        self._owner = None
+        table._sparseopt_lookup = self
+        self.probe._sparseopt_probe_of = self
+
+    @property
+    def owner(self):
+        """The `DispatchOptimizer` that applies this table's updates, if any."""
+        return self._owner() if self._owner is not None else None
+
+    def claim(self, optimizer):
+        self._owner = weakref.ref(optimizer)
+
+    def take_records(self):
+        records, self.records = self.records, []
+        return records
+
+    def __call__(self, ids):
+        """Returns `table[ids]`, shape `ids.shape + (width,)`; invalid ids give 0."""
+        dtype = keras.backend.standardize_dtype(ids.dtype)
+        if "int" not in dtype:
+            raise TypeError(
+                f"Layer '{self.layer_name}': ids for table '{self.table.path}' must "
+                f"be integers, got dtype {dtype}. Cast them first, e.g. "
+                "`keras.ops.cast(ids, 'int32')`, or declare the input with "
+                "`keras.Input(..., dtype='int32')`."
+            )
+        # Records left over from an earlier trace were never applied by an
+        # optimizer (e.g. gradients computed and dropped); forget them.
+        self.records = []
+        num_rows = self.table.shape[0]
+        valid = ops.logical_and(ops.greater_equal(ids, 0), ops.less(ids, num_rows))
+        self.num_dropped_ids.assign_add(ops.sum(ops.cast(ops.logical_not(valid), "int32")))
+        safe_ids = ops.where(valid, ids, 0)
+        rows = ops.take(ops.stop_gradient(self.table.value), safe_ids, axis=0)
+        rows = ops.where(ops.expand_dims(valid, -1), rows, ops.zeros_like(rows))
+        update_ids = ops.reshape(ops.where(valid, ids, num_rows), (-1,))
+        return backend.tap(rows, self.probe.value, update_ids, self._on_backward)
+
+    def _on_backward(self, ids, grads):
+        width = self.table.shape[1]
+        self.records.append((ops.reshape(ids, (-1,)), ops.reshape(grads, (-1, width))))
+
+
+class _PlainOptimizerGuard(keras.constraints.Constraint):
+    """Constraint of the probe weight that refuses training by a plain optimizer.
+
+    Keras optimizers call a variable's constraint right after updating it.
+    `DispatchOptimizer` never hands the probe to an inner optimizer, so this
+    runs (at trace time, before any step executes) only when some other
+    optimizer is training the model: the table would silently not be trained.
+    """
+
+    def __init__(self, layer_name, table_path):
+        self.layer_name = layer_name
+        self.table_path = table_path
+
+    def __call__(self, w):
+        raise ValueError(
+            f"Layer '{self.layer_name}' reads table '{self.table_path}' sparsely, "
+            "but the model's optimizer is not a sparseopt.DispatchOptimizer, so the "
+            "table would not be trained. Compile with "
+            "`optimizer=sparseopt.DispatchOptimizer(<your Keras optimizer>)`."
+        )

@@ -1,0 +1,41 @@
+"""The shared machinery around an updater's rule: dedup, gather, rule, scatter.
+
+Written once with `keras.ops` plus the four backend primitives; the cost is
+proportional to the ids in the batch, never to the number of rows.
+"""
+
+from keras import ops
+
+from sparseopt import backend
+
+
+def sparse_apply(updater, table, slots, ids, grads, learning_rate, step):
+    """Updates the touched rows of `table` and its `slots` in place.
+
+    Args:
+        updater: the `Updater` whose rule to apply.
+        table: the `[V, D]` Keras variable.
+        slots: dict slot name -> Keras variable (`[V, D]` or `[V]`).
+        ids: int `[N]` ids, duplicates allowed; ids outside `[0, V)` are
+            ignored.
+        grads: `[N, D]` true (unscaled) gradient of each occurrence. If any
+            entry is not finite, the table and its state are left unchanged.
+        learning_rate: scalar tensor.
+        step: scalar int tensor, the 1-based update count.
+
+    Returns:
+        A boolean scalar tensor: whether the update was applied.
+    """
+    num_rows = table.shape[0]
+    grads = ops.cast(grads, "float32")
+    uniq, summed = backend.dedup(ids, grads, num_rows)
+    rows = ops.cast(backend.gather(table.value, uniq), "float32")
+    state = {name: ops.cast(backend.gather(v.value, uniq), "float32") for name, v in slots.items()}
+    new_rows, new_state = updater.update(rows, state, summed, learning_rate, step)
+    # A non-finite gradient skips the whole table for this step: select the
+    # old rows back (cheap: only touched rows) instead of branching.
+    finite = ops.all(ops.isfinite(grads))
+    backend.scatter(table, uniq, ops.where(finite, new_rows, rows))
+    for name, var in slots.items():
+        backend.scatter(var, uniq, ops.where(finite, new_state[name], state[name]))
+    return finite

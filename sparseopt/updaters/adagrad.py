@@ -1,0 +1,50 @@
+"""Sparse Adagrad, in the form of `keras.optimizers.Adagrad`."""
+
+import keras
+from keras import ops
+
+from sparseopt.updaters.base import SlotSpec, Updater
+
+
+@keras.saving.register_keras_serializable(package="sparseopt")
+class Adagrad(Updater):
+    """Sparse Adagrad with one accumulator entry per table entry.
+
+    On each touched row (Keras 3 form, epsilon inside the root):
+
+        acc <- acc + g^2
+        w   <- w - lr * g / sqrt(acc + epsilon)
+
+    Untouched rows keep their value and accumulator, so the result equals
+    `keras.optimizers.Adagrad` applied densely.
+
+    Args:
+        learning_rate: float or `LearningRateSchedule`.
+        initial_accumulator_value: starting value of the accumulator (>= 0).
+        epsilon: small constant added inside the square root.
+        name: optional name.
+
+    Reference: Duchi et al., 2011, "Adaptive Subgradient Methods".
+    """
+
+    def __init__(self, learning_rate=0.001, initial_accumulator_value=0.1,
+                 epsilon=1e-7, name=None):
+        super().__init__(learning_rate, name=name)
+        if initial_accumulator_value < 0:
+            raise ValueError(
+                "Adagrad: `initial_accumulator_value` must be >= 0, got "
+                f"{initial_accumulator_value}."
+            )
+        self.initial_accumulator_value = float(initial_accumulator_value)
+        self.epsilon = float(epsilon)
+        self.slots = (SlotSpec("accumulator", False, self.initial_accumulator_value),)
+
+    def update(self, rows, state, grads, learning_rate, step):
+        acc = state["accumulator"] + ops.square(grads)
+        rows = rows - learning_rate * grads / ops.sqrt(acc + self.epsilon)
+        return rows, {"accumulator": acc}
+
+    def get_config(self):
+        return {**super().get_config(),
+                "initial_accumulator_value": self.initial_accumulator_value,
+                "epsilon": self.epsilon}

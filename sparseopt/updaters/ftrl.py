@@ -1,0 +1,103 @@
+"""FTRL-Proximal, as TensorFlow's `ApplyFtrl` / the TPU embedding API."""
+
+import keras
+from keras import ops
+
+from sparseopt.updaters.base import SlotSpec, Updater
+
+
+@keras.saving.register_keras_serializable(package="sparseopt")
+class Ftrl(Updater):
+    """Sparse FTRL-Proximal with `accumulator` (n) and `linear` (z) slots.
+
+    With `p = -learning_rate_power`, on each touched row:
+
+        n' = n + g^2
+        z' = z + g - (n'^p - n^p) / lr * w
+        w' = 0 if |z'| <= l1 else (sign(z') l1 - z') / ((n'^p + beta) / lr + 2 l2)
+
+    With `multiply_linear_by_learning_rate=True` the linear slot stores
+    `lr * z` (TF's `multiply_linear_by_lr`), which keeps it meaningful when the
+    learning rate changes over time:
+
+        z' = z + lr g - (n'^p - n^p) w
+        w' = 0 if |z'| <= lr l1 else (sign(z') lr l1 - z') / (n'^p + beta + 2 lr l2)
+
+    Untouched rows are left alone (dense FTRL would recompute them from `z`).
+
+    Args:
+        learning_rate: float or `LearningRateSchedule`.
+        learning_rate_power: `<= 0`; `-0.5` gives the usual `sqrt`.
+        l1_regularization_strength: `>= 0`.
+        l2_regularization_strength: `>= 0`.
+        beta: `>= 0`, as in TF/Keras FTRL.
+        initial_accumulator_value: starting value of `n` (`> 0` unless
+            `learning_rate_power == 0`).
+        multiply_linear_by_learning_rate: see above.
+        name: optional name.
+
+    Reference: McMahan et al., 2013, "Ad Click Prediction: a View from the
+    Trenches".
+    """
+
+    def __init__(self, learning_rate=0.001, learning_rate_power=-0.5,
+                 l1_regularization_strength=0.0, l2_regularization_strength=0.0,
+                 beta=0.0, initial_accumulator_value=0.1,
+                 multiply_linear_by_learning_rate=False, name=None):
+        super().__init__(learning_rate, name=name)
+        checks = {
+            "learning_rate_power": (learning_rate_power, learning_rate_power <= 0, "<= 0"),
+            "l1_regularization_strength": (l1_regularization_strength, l1_regularization_strength >= 0, ">= 0"),
+            "l2_regularization_strength": (l2_regularization_strength, l2_regularization_strength >= 0, ">= 0"),
+            "beta": (beta, beta >= 0, ">= 0"),
+            "initial_accumulator_value": (initial_accumulator_value, initial_accumulator_value >= 0, ">= 0"),
+        }
+        for arg, (value, ok, rule) in checks.items():
+            if not ok:
+                raise ValueError(f"Ftrl: `{arg}` must be {rule}, got {value}.")
+        if initial_accumulator_value == 0 and learning_rate_power != 0:
+            raise ValueError(
+                "Ftrl: `initial_accumulator_value=0` with a negative "
+                "`learning_rate_power` divides by zero on the first step; use a "
+                "positive value such as 0.1."
+            )
+        self.learning_rate_power = float(learning_rate_power)
+        self.l1_regularization_strength = float(l1_regularization_strength)
+        self.l2_regularization_strength = float(l2_regularization_strength)
+        self.beta = float(beta)
+        self.initial_accumulator_value = float(initial_accumulator_value)
+        self.multiply_linear_by_learning_rate = bool(multiply_linear_by_learning_rate)
+        self.slots = (
+            SlotSpec("accumulator", False, self.initial_accumulator_value),
+            SlotSpec("linear", False, 0.0),
+        )
+
+    def _power(self, n):
+        p = -self.learning_rate_power
+        return ops.sqrt(n) if p == 0.5 else ops.power(n, p)
+
+    def update(self, rows, state, grads, learning_rate, step):
+        lr, l1, l2 = learning_rate, self.l1_regularization_strength, self.l2_regularization_strength
+        n, z = state["accumulator"], state["linear"]
+        n_new = n + ops.square(grads)
+        delta = self._power(n_new) - self._power(n)
+        if self.multiply_linear_by_learning_rate:
+            z_new = z + lr * grads - delta * rows
+            threshold = lr * l1
+            denom = self._power(n_new) + self.beta + 2.0 * lr * l2
+        else:
+            z_new = z + grads - delta / lr * rows
+            threshold = l1
+            denom = (self._power(n_new) + self.beta) / lr + 2.0 * l2
+        # clip(z, -t, t) - z is 0 inside the band and sign(z) t - z outside.
+        rows = (ops.clip(z_new, -threshold, threshold) - z_new) / denom
+        return rows, {"accumulator": n_new, "linear": z_new}
+
+    def get_config(self):
+        return {**super().get_config(),
+                "learning_rate_power": self.learning_rate_power,
+                "l1_regularization_strength": self.l1_regularization_strength,
+                "l2_regularization_strength": self.l2_regularization_strength,
+                "beta": self.beta,
+                "initial_accumulator_value": self.initial_accumulator_value,
+                "multiply_linear_by_learning_rate": self.multiply_linear_by_learning_rate}

@@ -1,0 +1,45 @@
+"""Row-wise Adagrad: one accumulator scalar per row (FBGEMM EXACT_ROWWISE_ADAGRAD)."""
+
+import keras
+from keras import ops
+
+from sparseopt.updaters.base import SlotSpec, Updater
+
+
+@keras.saving.register_keras_serializable(package="sparseopt")
+class RowwiseAdagrad(Updater):
+    """Adagrad with a single accumulator per row: state `V` instead of `V * D`.
+
+    On each touched row:
+
+        G <- G + mean_d(g_d^2)
+        w <- w - lr * g / (sqrt(G) + epsilon)
+
+    Args:
+        learning_rate: float or `LearningRateSchedule`.
+        initial_accumulator_value: starting value of `G` (>= 0).
+        epsilon: added to `sqrt(G)`.
+        name: optional name.
+    """
+
+    def __init__(self, learning_rate=0.01, initial_accumulator_value=0.0,
+                 epsilon=1e-8, name=None):
+        super().__init__(learning_rate, name=name)
+        if initial_accumulator_value < 0:
+            raise ValueError(
+                "RowwiseAdagrad: `initial_accumulator_value` must be >= 0, got "
+                f"{initial_accumulator_value}."
+            )
+        self.initial_accumulator_value = float(initial_accumulator_value)
+        self.epsilon = float(epsilon)
+        self.slots = (SlotSpec("accumulator", True, self.initial_accumulator_value),)
+
+    def update(self, rows, state, grads, learning_rate, step):
+        acc = state["accumulator"] + ops.mean(ops.square(grads), axis=-1)
+        scale = learning_rate / (ops.sqrt(acc) + self.epsilon)
+        return rows - scale[:, None] * grads, {"accumulator": acc}
+
+    def get_config(self):
+        return {**super().get_config(),
+                "initial_accumulator_value": self.initial_accumulator_value,
+                "epsilon": self.epsilon}
