@@ -4,7 +4,7 @@ import keras
 from keras import ops
 
 from sparseopt import updaters as updaters_lib
-from sparseopt.ops.lookup import SparseLookup
+from sparseopt.ops.lookup import SparseLookup, check_ids_dtype
 
 COMBINERS = (None, "sum", "mean")
 
@@ -92,6 +92,10 @@ class SparseEmbedding(keras.layers.Layer):
         if self.combiner is None:
             return tuple(input_shape) + (self.output_dim,)
         return tuple(input_shape[:-1]) + (self.output_dim,)
+
+    def compute_output_spec(self, ids):
+        check_ids_dtype(ids, self.name, f"{self.name}/embeddings")
+        return keras.KerasTensor(self.compute_output_shape(ids.shape), dtype=self.compute_dtype)
 
     def get_config(self):
         return {

@@ -77,14 +77,7 @@ class SparseLookup:
 
     def __call__(self, ids):
         """Returns `table[ids]`, shape `ids.shape + (width,)`; invalid ids give 0."""
-        dtype = keras.backend.standardize_dtype(ids.dtype)
-        if "int" not in dtype:
-            raise TypeError(
-                f"Layer '{self.layer_name}': ids for table '{self.table.path}' must "
-                f"be integers, got dtype {dtype}. Cast them first, e.g. "
-                "`keras.ops.cast(ids, 'int32')`, or declare the input with "
-                "`keras.Input(..., dtype='int32')`."
-            )
+        check_ids_dtype(ids, self.layer_name, self.table.path)
         # Records left over from an earlier trace were never applied by an
         # optimizer (e.g. gradients computed and dropped); forget them.
         self.records = []
@@ -100,6 +93,17 @@ class SparseLookup:
     def _on_backward(self, ids, grads):
         width = self.table.shape[1]
         self.records.append((ops.reshape(ids, (-1,)), ops.reshape(grads, (-1, width))))
+
+
+def check_ids_dtype(ids, layer_name, table_path):
+    """Raises a `TypeError` naming the layer unless `ids` has an integer dtype."""
+    dtype = keras.backend.standardize_dtype(ids.dtype)
+    if "int" not in dtype:
+        raise TypeError(
+            f"Layer '{layer_name}': ids for table '{table_path}' must be integers, "
+            f"got dtype {dtype}. Cast them first, e.g. `keras.ops.cast(ids, "
+            "'int32')`, or declare the input with `keras.Input(..., dtype='int32')`."
+        )
 
 
 class _PlainOptimizerGuard(keras.constraints.Constraint):

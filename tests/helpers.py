@@ -1,0 +1,60 @@
+"""Small models shared by the tests."""
+
+import keras
+import numpy as np
+from keras import ops
+
+import sparseopt
+
+
+def dot_loss(y_true, y_pred):
+    """Per-example loss whose gradient w.r.t. y_pred is y_true / batch_size."""
+    return ops.sum(ops.reshape(y_true * y_pred, (ops.shape(y_pred)[0], -1)), axis=-1)
+
+
+def table_model(vocab, width, n_ids, updater, combiner=None, name="emb", init=None):
+    ids = keras.Input((n_ids,), dtype="int32")
+    emb = sparseopt.layers.SparseEmbedding(
+        vocab, width, updater=updater, combiner=combiner, name=name,
+        embeddings_initializer=init or "uniform")
+    return keras.Model(ids, emb(ids)), emb
+
+
+class OneHotEmbedding(keras.layers.Layer):
+    """A dense-gradient reference embedding (one-hot matmul) for both backends.
+
+    Plain `keras.layers.Embedding` on TF feeds `IndexedSlices` to Keras
+    optimizers, which do not sum duplicate ids; this one gives the exact dense
+    gradient everywhere.
+    """
+
+    def __init__(self, vocab, width, **kwargs):
+        super().__init__(**kwargs)
+        self.vocab, self.width = vocab, width
+
+    def build(self, input_shape):
+        self.embeddings = self.add_weight(shape=(self.vocab, self.width), name="embeddings",
+                                          initializer="uniform")
+
+    def call(self, ids):
+        return ops.matmul(ops.one_hot(ids, self.vocab), self.embeddings)
+
+
+def batches(rng, steps, batch, n_ids, vocab, width, dup_vocab=None):
+    """Random id batches with duplicates in every batch, plus `y` for dot_loss."""
+    hi = dup_vocab or vocab
+    xs = rng.integers(0, hi, size=(steps, batch, n_ids)).astype("int32")
+    xs[:, 0, :2] = xs[:, 1, :2]  # guaranteed duplicates
+    ys = rng.normal(size=(steps, batch, n_ids, width)).astype("float32")
+    return xs, ys
+
+
+def numpy_replay(name, cfg, table0, xs, ys, lr_fn):
+    """Replays `dot_loss` training with the NumPy reference rules."""
+    from tests import reference
+    table = np.asarray(table0, np.float64)
+    state = reference.initial_state(name, table.shape, cfg)
+    for t, (x, y) in enumerate(zip(xs, ys)):
+        grads = y.astype(np.float64) / x.shape[0]
+        table, state = reference.sparse_step(name, table, state, x, grads, lr_fn(t), cfg)
+    return table, state

@@ -1,0 +1,97 @@
+"""Each updater, trained through `fit`, equals the NumPy reference of its formula."""
+
+import keras
+import numpy as np
+import pytest
+
+import sparseopt
+from tests.conftest import to_np
+from tests.helpers import batches, dot_loss, numpy_replay, table_model
+
+VOCAB, WIDTH, N_IDS, BATCH, STEPS = 300, 4, 5, 8, 50
+
+CASES = {
+    "sgd": ("SGD", {}),
+    "adagrad": ("Adagrad", {"initial_accumulator_value": 0.1, "epsilon": 1e-7}),
+    "rowwise_adagrad": ("RowwiseAdagrad", {"initial_accumulator_value": 0.0, "epsilon": 1e-8}),
+    "rowwise_adagrad_init": ("RowwiseAdagrad", {"initial_accumulator_value": 0.5, "epsilon": 1e-3}),
+    "ftrl": ("Ftrl", {}),
+    "ftrl_l1_l2_beta": ("Ftrl", {"l1_regularization_strength": 0.002,
+                                 "l2_regularization_strength": 0.05, "beta": 0.3}),
+    "ftrl_linear_by_lr": ("Ftrl", {"l1_regularization_strength": 0.002,
+                                   "l2_regularization_strength": 0.05, "beta": 0.3,
+                                   "multiply_linear_by_learning_rate": True}),
+    "ftrl_power": ("Ftrl", {"learning_rate_power": -0.3, "l1_regularization_strength": 0.001,
+                            "initial_accumulator_value": 0.2}),
+}
+
+
+def slot_values(optimizer, table_path):
+    prefix = table_path.replace("/", "_") + "_"
+    return {v.name[len(prefix):]: to_np(v) for v in optimizer.variables
+            if v.name.startswith(prefix) and not v.name.endswith("skipped_steps")}
+
+
+def train(updater, xs, ys, **compile_kwargs):
+    model, emb = table_model(VOCAB, WIDTH, N_IDS, updater)
+    table0 = to_np(emb.embeddings)
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)),
+                  loss=dot_loss, **compile_kwargs)
+    model.fit(xs.reshape(-1, N_IDS), ys.reshape(-1, N_IDS, WIDTH), batch_size=BATCH,
+              shuffle=False, verbose=0)
+    return model, emb, table0
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_updater_matches_numpy_reference(case):
+    name, cfg = CASES[case]
+    rng = np.random.default_rng(1)
+    # Ids drawn from the first 120 rows: rows 120.. are never touched.
+    xs, ys = batches(rng, STEPS, BATCH, N_IDS, VOCAB, WIDTH, dup_vocab=120)
+    updater = getattr(sparseopt.updaters, name)(learning_rate=0.05, **cfg)
+    model, emb, table0 = train(updater, xs, ys)
+    want_table, want_state = numpy_replay(name, cfg, table0, xs, ys, lambda t: 0.05)
+    np.testing.assert_allclose(to_np(emb.embeddings), want_table, rtol=2e-5, atol=2e-6)
+    got_state = slot_values(model.optimizer, emb.embeddings.path)
+    assert sorted(got_state) == sorted(want_state)
+    for k in want_state:
+        np.testing.assert_allclose(got_state[k], want_state[k], rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("case", ["adagrad", "ftrl_l1_l2_beta", "rowwise_adagrad"])
+def test_untouched_rows_and_state_unchanged_bit_for_bit(case):
+    name, cfg = CASES[case]
+    rng = np.random.default_rng(2)
+    xs, ys = batches(rng, 10, BATCH, N_IDS, VOCAB, WIDTH, dup_vocab=120)
+    updater = getattr(sparseopt.updaters, name)(learning_rate=0.05, **cfg)
+    model, emb, table0 = train(updater, xs, ys)
+    touched = np.unique(xs)
+    untouched = np.setdiff1d(np.arange(VOCAB), touched)
+    table = to_np(emb.embeddings)
+    assert np.array_equal(table[untouched], table0[untouched])
+    assert not np.any(np.all(table[touched] == table0[touched], axis=1))
+    state0 = numpy_replay(name, cfg, table0, xs[:0], ys[:0], lambda t: 0.0)[1]
+    for k, v in slot_values(model.optimizer, emb.embeddings.path).items():
+        assert np.array_equal(v[untouched], state0[k][untouched].astype(np.float32))
+
+
+def test_learning_rate_schedule_is_evaluated_at_the_training_step():
+    cfg = {"initial_accumulator_value": 0.1, "epsilon": 1e-7}
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.2, decay_steps=5, decay_rate=0.5)
+    rng = np.random.default_rng(3)
+    xs, ys = batches(rng, 20, BATCH, N_IDS, VOCAB, WIDTH)
+    model, emb, table0 = train(sparseopt.updaters.Adagrad(schedule, **cfg), xs, ys)
+    want, _ = numpy_replay("Adagrad", cfg, table0, xs, ys, lambda t: 0.2 * 0.5 ** (t / 5))
+    np.testing.assert_allclose(to_np(emb.embeddings), want, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("mode", ["jit", "no_jit", "eager"])
+def test_compiled_and_eager_steps_agree(mode):
+    kwargs = {"jit": {"jit_compile": True}, "no_jit": {"jit_compile": False},
+              "eager": {"run_eagerly": True}}[mode]
+    cfg = {"l1_regularization_strength": 0.001}
+    rng = np.random.default_rng(4)
+    xs, ys = batches(rng, 6, BATCH, N_IDS, VOCAB, WIDTH)
+    model, emb, table0 = train(sparseopt.updaters.Ftrl(0.05, **cfg), xs, ys, **kwargs)
+    want, _ = numpy_replay("Ftrl", cfg, table0, xs, ys, lambda t: 0.05)
+    np.testing.assert_allclose(to_np(emb.embeddings), want, rtol=2e-5, atol=2e-6)
