@@ -7,6 +7,7 @@ from keras import ops
 import sparseopt
 
 
+@keras.saving.register_keras_serializable(package="sparseopt_tests")
 def dot_loss(y_true, y_pred):
     """Per-example loss whose gradient w.r.t. y_pred is y_true / batch_size."""
     return ops.sum(ops.reshape(y_true * y_pred, (ops.shape(y_pred)[0], -1)), axis=-1)

@@ -7,6 +7,7 @@ Each backend module provides:
   cotangent 1 (NaN when the row cotangent is not finite).
 - `dedup(ids, grads, num_rows)`: sum the gradients of equal ids; ids outside
   `[0, num_rows)` are dropped.
+- `read_rows(table, ids)`: the forward lookup, with no gradient to `table`.
 - `gather(value, ids)` / `scatter(variable, ids, rows)`: read and write
   touched rows in place.
 """
@@ -14,9 +15,9 @@ Each backend module provides:
 import keras
 
 if keras.backend.backend() == "jax":
-    from sparseopt.backend.jax import dedup, gather, scatter, tap  # noqa: F401
+    from sparseopt.backend.jax import dedup, gather, read_rows, scatter, tap  # noqa: F401
 elif keras.backend.backend() == "tensorflow":
-    from sparseopt.backend.tensorflow import dedup, gather, scatter, tap  # noqa: F401
+    from sparseopt.backend.tensorflow import dedup, gather, read_rows, scatter, tap  # noqa: F401
 else:
     raise ImportError(
         f"sparseopt supports the 'jax' and 'tensorflow' Keras backends; the "

@@ -44,6 +44,11 @@ def dedup(ids, grads, num_rows):
     return uniq, summed
 
 
+def read_rows(table, ids):
+    """Forward lookup of valid `ids` in a Keras variable (no gradient to it)."""
+    return jnp.take(jax.lax.stop_gradient(table.value), ids, axis=0)
+
+
 def gather(value, ids):
     return jnp.take(value, ids, axis=0, mode="clip")
 

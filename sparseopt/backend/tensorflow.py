@@ -33,6 +33,16 @@ def dedup(ids, grads, num_rows):
     return uniq, summed
 
 
+def read_rows(table, ids):
+    """Forward lookup of valid `ids` in a Keras variable (no gradient to it).
+
+    Gathers from the resource directly: reading the whole variable would hold
+    a second reference to its buffer and make the later in-place scatter copy
+    the table first.
+    """
+    return tf.stop_gradient(tf.gather(table.value, ids))
+
+
 def gather(value, ids):
     return tf.gather(value, ids)
 

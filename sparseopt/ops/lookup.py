@@ -85,7 +85,7 @@ class SparseLookup:
         valid = ops.logical_and(ops.greater_equal(ids, 0), ops.less(ids, num_rows))
         self.num_dropped_ids.assign_add(ops.sum(ops.cast(ops.logical_not(valid), "int32")))
         safe_ids = ops.where(valid, ids, 0)
-        rows = ops.take(ops.stop_gradient(self.table.value), safe_ids, axis=0)
+        rows = backend.read_rows(self.table, safe_ids)
         rows = ops.where(ops.expand_dims(valid, -1), rows, ops.zeros_like(rows))
         update_ids = ops.reshape(ops.where(valid, ids, num_rows), (-1,))
         return backend.tap(rows, self.probe.value, update_ids, self._on_backward)

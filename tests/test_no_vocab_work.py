@@ -1,0 +1,88 @@
+"""A training step does no work and holds no memory proportional to the vocabulary.
+
+Checked on the compiled step itself, not with timings: on JAX, XLA's memory
+analysis of the jitted, state-donating train step (temporaries far below one
+table, every output aliased to its input, i.e. updated in place); on
+TensorFlow, no tensor in the traced step has a vocabulary-sized dimension.
+Each check is first shown to flag plain Keras, so it can fail.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import sparseopt
+
+V, D, N_IDS = 2_000_003, 8, 16  # an odd V that no other dimension matches
+TABLE_BYTES = V * D * 4
+
+
+def make_model(optimizer, sparse=True, updater=None):
+    ids = keras.Input((N_IDS,), dtype="int32")
+    if sparse:
+        emb = sparseopt.layers.SparseEmbedding(
+            V, D, updater=updater or sparseopt.updaters.Adagrad(0.1), name="emb")
+    else:
+        emb = keras.layers.Embedding(V, D, name="emb")
+    model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(emb(ids))))
+    model.compile(optimizer=optimizer, loss="mse")
+    x = np.random.default_rng(0).integers(0, V, (128, N_IDS)).astype("int32")
+    return model, (x, np.ones((128, 1), "float32"))
+
+
+def vocab_sized_work(model, data):
+    """JAX: (temp bytes, non-aliased output bytes). TF: vocab-shaped op outputs."""
+    if keras.backend.backend() == "jax":
+        import jax
+        model._symbolic_build(data_batch=data)
+        state = tuple(model._get_jax_state(
+            trainable_variables=True, non_trainable_variables=True,
+            optimizer_variables=True, metrics_variables=True))
+        compiled = jax.jit(model.train_step, donate_argnums=0).lower(state, data).compile()
+        mem = compiled.memory_analysis()
+        return mem.temp_size_in_bytes, mem.output_size_in_bytes - mem.alias_size_in_bytes
+    import tensorflow as tf
+    model.train_on_batch(*data)
+    fn = tf.function(model.train_step).get_concrete_function(
+        (tf.TensorSpec((None, N_IDS), tf.int32), tf.TensorSpec((None, 1), tf.float32)))
+    found = set()
+
+    def walk(graph):
+        for op in graph.get_operations():
+            for out in op.outputs:
+                if out.shape.rank and V in out.shape.as_list():
+                    found.add((op.type, tuple(out.shape.as_list())))
+        for f in graph._functions.values():
+            walk(f.graph)
+
+    walk(fn.graph)
+    return sorted(found)
+
+
+def assert_no_vocab_work(result):
+    if keras.backend.backend() == "jax":
+        temp, not_in_place = result
+        assert temp < TABLE_BYTES / 20, f"temporaries {temp} B vs table {TABLE_BYTES} B"
+        assert not_in_place < 1024, f"{not_in_place} B of state not updated in place"
+    else:
+        assert result == [], f"vocabulary-sized tensors in the step: {result}"
+
+
+def test_check_flags_plain_keras():
+    model, data = make_model(keras.optimizers.Adagrad(), sparse=False)
+    with pytest.raises(AssertionError):
+        assert_no_vocab_work(vocab_sized_work(model, data))
+
+
+@pytest.mark.parametrize("updater", ["SGD", "Adagrad", "RowwiseAdagrad", "Ftrl"])
+def test_sparse_step_does_no_vocab_work(updater):
+    model, data = make_model(sparseopt.DispatchOptimizer(keras.optimizers.Adam()),
+                             updater=getattr(sparseopt.updaters, updater)(0.1))
+    assert_no_vocab_work(vocab_sized_work(model, data))
+
+
+def test_sparse_step_under_loss_scaling_does_no_vocab_work():
+    opt = keras.optimizers.LossScaleOptimizer(
+        sparseopt.DispatchOptimizer(keras.optimizers.Adam(global_clipnorm=1.0)))
+    model, data = make_model(opt)
+    assert_no_vocab_work(vocab_sized_work(model, data))

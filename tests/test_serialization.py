@@ -1,0 +1,79 @@
+"""Configs round-trip; saved models load without custom_objects."""
+
+import keras
+import numpy as np
+import pytest
+
+import sparseopt
+from tests.conftest import to_np
+from tests.helpers import batches, dot_loss, table_model
+
+UPDATERS = [
+    sparseopt.updaters.SGD(0.3),
+    sparseopt.updaters.Adagrad(0.05, initial_accumulator_value=0.2, epsilon=1e-6),
+    sparseopt.updaters.RowwiseAdagrad(
+        keras.optimizers.schedules.ExponentialDecay(0.1, 100, 0.9), epsilon=1e-4),
+    sparseopt.updaters.Ftrl(0.1, learning_rate_power=-0.3, l1_regularization_strength=0.01,
+                            l2_regularization_strength=0.02, beta=0.5,
+                            initial_accumulator_value=0.3, multiply_linear_by_learning_rate=True),
+]
+
+
+@pytest.mark.parametrize("updater", UPDATERS, ids=lambda u: type(u).__name__)
+def test_updater_config_round_trip(updater):
+    blob = keras.saving.serialize_keras_object(updater)
+    again = keras.saving.deserialize_keras_object(blob)
+    assert type(again) is type(updater)
+    assert keras.saving.serialize_keras_object(again) == blob
+    for step in [0, 50, 300]:
+        assert float(again.learning_rate_at(step)) == pytest.approx(
+            float(updater.learning_rate_at(step)))
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: sparseopt.updaters.Adagrad(-1.0),
+    lambda: sparseopt.updaters.Adagrad("fast"),
+    lambda: sparseopt.updaters.Adagrad(0.1, initial_accumulator_value=-0.1),
+    lambda: sparseopt.updaters.Ftrl(0.1, learning_rate_power=0.5),
+    lambda: sparseopt.updaters.Ftrl(0.1, l1_regularization_strength=-1.0),
+    lambda: sparseopt.updaters.Ftrl(0.1, initial_accumulator_value=0.0),
+    lambda: sparseopt.layers.SparseEmbedding(10, 4, updater=keras.optimizers.Adagrad()),
+    lambda: sparseopt.layers.SparseEmbedding(10, 4, updater=sparseopt.updaters.SGD(),
+                                             combiner="max"),
+])
+def test_invalid_options_are_refused(bad):
+    with pytest.raises((ValueError, TypeError)):
+        bad()
+
+
+def test_dispatch_optimizer_config_round_trip():
+    opt = sparseopt.DispatchOptimizer(
+        keras.optimizers.Adam(3e-3),
+        optimizer_map={"emb2/embeddings": sparseopt.updaters.SGD(0.2),
+                       "out/.*": keras.optimizers.SGD(0.5)})
+    blob = keras.saving.serialize_keras_object(opt)
+    again = keras.saving.deserialize_keras_object(blob)
+    assert isinstance(again, sparseopt.DispatchOptimizer)
+    assert keras.saving.serialize_keras_object(again) == blob
+    assert float(to_np(again.learning_rate)) == pytest.approx(3e-3)
+
+
+def test_saved_model_loads_without_custom_objects_and_keeps_training(tmp_path):
+    model, emb = table_model(50, 4, 3, sparseopt.updaters.Adagrad(0.1), combiner="mean")
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam()), loss=dot_loss)
+    rng = np.random.default_rng(0)
+    xs, _ = batches(rng, 3, 4, 3, 50, 4)
+    ys = rng.normal(size=(3, 4, 4)).astype("float32")
+    model.train_on_batch(xs[0], ys[0])
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    np.testing.assert_array_equal(to_np(loaded.predict(xs[1], verbose=0)),
+                                  to_np(model.predict(xs[1], verbose=0)))
+    assert isinstance(loaded.optimizer, sparseopt.DispatchOptimizer)
+    for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_array_equal(to_np(a), to_np(b))
+    model.train_on_batch(xs[1], ys[1])
+    loaded.train_on_batch(xs[1], ys[1])
+    loaded_emb = loaded.layers[-1]
+    np.testing.assert_allclose(to_np(loaded_emb.embeddings), to_np(emb.embeddings), rtol=1e-6)
