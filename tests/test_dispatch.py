@@ -318,3 +318,21 @@ def test_evaluate_and_predict_do_not_touch_tables():
     assert np.array_equal(to_np(emb.embeddings), table)
     model.train_on_batch(xs[1], ys[1])
     assert not np.array_equal(to_np(emb.embeddings), table)
+
+
+def test_mixed_precision_policy_wraps_and_trains_tables_with_the_true_gradient():
+    rng = np.random.default_rng(13)
+    xs, ys = batches(rng, 4, BATCH, N_IDS, VOCAB, WIDTH)
+    want, _ = _scaled_run(lambda: sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)),
+                          xs, ys, sparseopt.updaters.Adagrad(0.05))
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        got, model = _scaled_run(lambda: sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)),
+                                 xs, ys, sparseopt.updaters.Adagrad(0.05))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert float(to_np(model.optimizer.dynamic_scale)) == 2.0**15  # no overflow, not halved
+    # float16 activations: the table moves as in float32, within half precision.
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+    assert np.abs(got - want).max() < 0.01 * np.abs(want).max()

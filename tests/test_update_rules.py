@@ -95,3 +95,22 @@ def test_compiled_and_eager_steps_agree(mode):
     model, emb, table0 = train(sparseopt.updaters.Ftrl(0.05, **cfg), xs, ys, **kwargs)
     want, _ = numpy_replay("Ftrl", cfg, table0, xs, ys, lambda t: 0.05)
     np.testing.assert_allclose(to_np(emb.embeddings), want, rtol=2e-5, atol=2e-6)
+
+
+def test_backend_dedup_matches_numpy_unique_and_sum():
+    from sparseopt import backend
+
+    rng = np.random.default_rng(9)
+    ids = rng.integers(-3, 60, size=500).astype("int32")
+    ids[:50] = 7
+    grads = rng.normal(size=(500, 3)).astype("float32")
+    uniq, summed = (to_np(t) for t in backend.dedup(keras.ops.convert_to_tensor(ids),
+                                                     keras.ops.convert_to_tensor(grads), 50))
+    keep = uniq < 50
+    valid = (ids >= 0) & (ids < 50)
+    want_ids = np.unique(ids[valid])
+    np.testing.assert_array_equal(np.sort(uniq[keep]), want_ids)
+    order = np.argsort(uniq[keep])
+    want = np.stack([grads[ids == i].sum(0) for i in want_ids])
+    np.testing.assert_allclose(summed[keep][order], want, rtol=1e-5, atol=1e-5)
+    assert len(set(uniq.tolist())) == len(uniq)  # padding ids are distinct too

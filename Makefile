@@ -1,0 +1,34 @@
+# Set-up is part of every target: a fresh machine with Python 3.11 needs nothing else.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-dev
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+export PYTHONWARNINGS ?= ignore::DeprecationWarning
+
+.PHONY: demo test test-jax test-tensorflow bench env clean
+
+env: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	KERAS_BACKEND=jax $(BIN)/python examples/dlrm_synthetic.py --demo
+
+test: test-jax test-tensorflow
+
+test-jax: $(STAMP)
+	KERAS_BACKEND=jax $(BIN)/python -m pytest
+
+test-tensorflow: $(STAMP)
+	KERAS_BACKEND=tensorflow $(BIN)/python -m pytest
+
+bench: $(STAMP)
+	KERAS_BACKEND=jax $(BIN)/python benchmarks/table_scaling.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
