@@ -1,5 +1,6 @@
 """`DispatchOptimizer`: dense variables to a Keras optimizer, tables to updaters."""
 
+import dataclasses
 import re
 
 import keras
@@ -8,6 +9,16 @@ from keras import ops
 from sparseopt.declared import declared_updaters
 from sparseopt.sparse_apply import sparse_apply
 from sparseopt.updaters import Updater
+
+
+@dataclasses.dataclass
+class _Table:
+    """What the optimizer keeps per table: its rule, lookup, state and skip count."""
+
+    updater: Updater
+    lookup: object  # sparseopt.ops.SparseLookup
+    slots: dict = dataclasses.field(default_factory=dict)  # slot name -> variable
+    skipped: object = None  # int32 variable: steps skipped for non-finite gradients
 
 
 @keras.saving.register_keras_serializable(package="sparseopt")
@@ -114,7 +125,7 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             return
         var_list = list(var_list)
         declared = declared_updaters(var_list)
-        self._tables = {}  # var key -> (updater, lookup, slots dict)
+        self._tables = {}  # var key -> _Table
         self._probes = {}  # var key -> lookup
         dense = {id(opt): [] for opt in self._dense_optimizers}
         self._route = {}
@@ -130,7 +141,7 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                 target, owner = declared[id(var)][0], f"layer '{declared[id(var)][1]}'"
             if isinstance(target, Updater):
                 self._check_table(var, target, lookup, owner)
-                self._tables[key] = (target, lookup, {})
+                self._tables[key] = _Table(target, lookup)
             elif lookup is not None:
                 raise ValueError(
                     f"DispatchOptimizer: table '{var.path}' is read by a sparse lookup "
@@ -148,20 +159,20 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         for opt in self._dense_optimizers:
             opt.build(dense[id(opt)])
         with keras.name_scope(self.name, caller=self):
-            for key, (updater, lookup, slots) in self._tables.items():
-                table = lookup.table
-                for spec in updater.slots:
-                    slots[spec.name] = self.add_variable(
+            for entry in self._tables.values():
+                table = entry.lookup.table
+                for spec in entry.updater.slots:
+                    entry.slots[spec.name] = self.add_variable(
                         shape=spec.shape(table.shape),
                         initializer=keras.initializers.Constant(spec.initial_value),
                         dtype=table.dtype,
                         name=f"{table.path.replace('/', '_')}_{spec.name}",
                     )
-                slots["__skipped"] = self.add_variable(
+                entry.skipped = self.add_variable(
                     shape=(), dtype="int32", initializer="zeros",
                     name=f"{table.path.replace('/', '_')}_skipped_steps",
                 )
-                lookup.claim(self)
+                entry.lookup.claim(self)
         super().build(var_list)
 
     def _check_table(self, var, updater, lookup, owner):
@@ -178,7 +189,7 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
     def _check_dense_options(self):
         for opt in self._dense_optimizers:
             if opt.gradient_accumulation_steps:
-                tables = sorted(lk.table.path for _, lk, _ in self._tables.values())
+                tables = sorted(t.lookup.table.path for t in self._tables.values())
                 raise ValueError(
                     f"DispatchOptimizer: `gradient_accumulation_steps="
                     f"{opt.gradient_accumulation_steps}` on {opt.name} is not supported "
@@ -189,10 +200,8 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
 
     def skipped_steps(self):
         """`{table path: number of steps skipped for non-finite gradients}`."""
-        return {
-            lk.table.path: int(ops.convert_to_numpy(slots["__skipped"].value))
-            for _, lk, slots in self._tables.values()
-        }
+        return {t.lookup.table.path: int(ops.convert_to_numpy(t.skipped.value))
+                for t in self._tables.values()}
 
     # -- applying -----------------------------------------------------------
 
@@ -226,11 +235,12 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             if gs:
                 opt.apply(gs, vs)
         with keras.name_scope(self.name, caller=self):
-            for updater, lookup, slots in self._tables.values():
-                self._apply_table(updater, lookup, slots, probe_grads.get(id(lookup)))
+            for table in self._tables.values():
+                self._apply_table(table, probe_grads.get(id(table.lookup)))
         self._iterations.assign_add(1)
 
-    def _apply_table(self, updater, lookup, slots, probe_grad):
+    def _apply_table(self, table, probe_grad):
+        lookup = table.lookup
         records = lookup.take_records()
         if not records:
             return  # not looked up in this step
@@ -248,12 +258,11 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             multiplier = multiplier / self.loss_scale_factor
         ids = ops.concatenate([r[0] for r in records], axis=0)
         grads = ops.concatenate([ops.cast(r[1], "float32") for r in records], axis=0)
-        state = {k: v for k, v in slots.items() if k != "__skipped"}
         applied = sparse_apply(
-            updater, lookup.table, state, ids, grads * multiplier,
-            updater.learning_rate_at(self._iterations), self._iterations + 1,
+            table.updater, lookup.table, table.slots, ids, grads * multiplier,
+            table.updater.learning_rate_at(self._iterations), self._iterations + 1,
         )
-        slots["__skipped"].assign_add(1 - ops.cast(applied, "int32"))
+        table.skipped.assign_add(1 - ops.cast(applied, "int32"))
 
     def finalize_variable_values(self, var_list):
         for opt in self._dense_optimizers:

@@ -114,3 +114,13 @@ def test_backend_dedup_matches_numpy_unique_and_sum():
     want = np.stack([grads[ids == i].sum(0) for i in want_ids])
     np.testing.assert_allclose(summed[keep][order], want, rtol=1e-5, atol=1e-5)
     assert len(set(uniq.tolist())) == len(uniq)  # padding ids are distinct too
+
+
+def test_several_steps_per_execution_apply_every_step():
+    cfg = {"initial_accumulator_value": 0.1, "epsilon": 1e-7}
+    rng = np.random.default_rng(10)
+    xs, ys = batches(rng, 8, BATCH, N_IDS, VOCAB, WIDTH, dup_vocab=50)
+    model, emb, table0 = train(sparseopt.updaters.Adagrad(0.05, **cfg), xs, ys,
+                               steps_per_execution=4)
+    want, _ = numpy_replay("Adagrad", cfg, table0, xs, ys, lambda t: 0.05)
+    np.testing.assert_allclose(to_np(emb.embeddings), want, rtol=2e-5, atol=2e-6)
