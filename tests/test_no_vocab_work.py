@@ -86,3 +86,25 @@ def test_sparse_step_under_loss_scaling_does_no_vocab_work():
         sparseopt.DispatchOptimizer(keras.optimizers.Adam(global_clipnorm=1.0)))
     model, data = make_model(opt)
     assert_no_vocab_work(vocab_sized_work(model, data))
+
+
+@pytest.mark.parametrize("layer", ["sparse_embedding", "user_table"])
+def test_mixed_precision_does_not_cast_the_whole_table(layer):
+    """Under mixed_float16 only the looked-up rows may be cast, never the table."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        if layer == "sparse_embedding":
+            model, data = make_model(sparseopt.DispatchOptimizer(keras.optimizers.Adam()))
+        else:
+            from tests.test_dispatch import UserTable
+
+            ids = keras.Input((N_IDS,), dtype="int32")
+            x = keras.layers.Flatten()(UserTable(V, D, name="user")(ids))
+            model = keras.Model(ids, keras.layers.Dense(1)(x))
+            model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam()),
+                          loss="mse")
+            x_data = np.random.default_rng(0).integers(0, V, (128, N_IDS)).astype("int32")
+            data = (x_data, np.ones((128, 1), "float32"))
+        assert_no_vocab_work(vocab_sized_work(model, data))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")

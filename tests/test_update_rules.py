@@ -124,3 +124,17 @@ def test_several_steps_per_execution_apply_every_step():
                                steps_per_execution=4)
     want, _ = numpy_replay("Adagrad", cfg, table0, xs, ys, lambda t: 0.05)
     np.testing.assert_allclose(to_np(emb.embeddings), want, rtol=2e-5, atol=2e-6)
+
+
+def test_dedup_padding_never_wraps_to_a_real_row_near_int32_limit():
+    from sparseopt import backend
+
+    num_rows = 2**31 - 10  # padding ids num_rows + i would overflow int32
+    ids = np.array([5, 5, -1, 2**31 - 11, 7] * 4, dtype="int32")
+    grads = np.ones((20, 2), "float32")
+    uniq, summed = (to_np(t) for t in backend.dedup(keras.ops.convert_to_tensor(ids),
+                                                     keras.ops.convert_to_tensor(grads), num_rows))
+    assert np.all(uniq >= 0)
+    real = uniq < num_rows
+    assert sorted(uniq[real].astype(np.int64).tolist()) == [5, 7, 2**31 - 11]
+    np.testing.assert_array_equal(summed[real][np.argsort(uniq[real])][:, 0], [8, 4, 4])

@@ -8,6 +8,7 @@ below updates the donated table buffer in place.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def tap(rows, probe, ids, on_backward):
@@ -37,11 +38,22 @@ def dedup(ids, grads, num_rows):
     ids = jnp.where((ids >= 0) & (ids < num_rows), ids, num_rows)
     uniq, inverse = _unique_with_inverse(ids, fill_value=num_rows)
     summed = jax.ops.segment_sum(grads, inverse, num_segments=n)
-    # Give every padding slot its own out-of-range id so that the scatter's
-    # `unique_indices` promise holds.
-    pad = num_rows + jnp.arange(n, dtype=uniq.dtype)
-    uniq = jnp.where(uniq < num_rows, uniq, pad)
+    if _distinct_padding(num_rows, n):
+        # Give every padding slot its own out-of-range id so that the
+        # scatter's `unique_indices` promise holds.
+        pad = num_rows + jnp.arange(n, dtype=uniq.dtype)
+        uniq = jnp.where(uniq < num_rows, uniq, pad)
     return uniq, summed
+
+
+def _distinct_padding(num_rows, n):
+    """Whether ids `num_rows .. num_rows + n - 1` fit in int32.
+
+    They must: a wrapped-around negative id would be taken by `.at[]` as
+    counting from the end, i.e. a real row. Near 2**31 rows the padding keeps
+    the single id `num_rows` and the scatter makes no uniqueness promise.
+    """
+    return num_rows + n <= np.iinfo(np.int32).max
 
 
 def _unique_with_inverse(ids, fill_value):
@@ -70,6 +82,7 @@ def gather(value, ids):
 
 def scatter(variable, ids, rows):
     value = variable.value
+    unique = _distinct_padding(value.shape[0], ids.shape[0])
     variable.assign(
-        value.at[ids].set(rows.astype(value.dtype), mode="drop", unique_indices=True)
+        value.at[ids].set(rows.astype(value.dtype), mode="drop", unique_indices=unique)
     )

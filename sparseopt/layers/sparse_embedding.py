@@ -65,6 +65,7 @@ class SparseEmbedding(keras.layers.Layer):
             shape=(self.input_dim, self.output_dim),
             initializer=self.embeddings_initializer,
             name="embeddings",
+            autocast=False,  # never cast the whole table; the lookup casts rows
         )
         self._lookup = SparseLookup(self, self.embeddings)
 

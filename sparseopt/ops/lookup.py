@@ -5,6 +5,10 @@ import weakref
 import keras
 from keras import ops
 
+# Keras' own switch for "read variables as stored" (what a layer with
+# `autocast=False` uses); not re-exported publicly, stable within our pin.
+from keras.src.backend import AutocastScope
+
 from sparseopt import backend
 
 
@@ -19,6 +23,9 @@ class SparseLookup:
 
     Ids outside `[0, num_rows)` read a zero row, get no update and are counted
     in `num_dropped_ids` (a non-trainable weight of the layer).
+
+    Rows are read as stored and then cast to the layer's compute dtype, so
+    under mixed precision only the looked-up rows are cast, never the table.
 
     Args:
         layer: the `keras.layers.Layer` that owns `table`.
@@ -58,6 +65,7 @@ class SparseLookup:
             name=f"{base}_dropped_ids",
         )
         self.layer_name = layer.name
+        self.compute_dtype = layer.compute_dtype
         self.records = []
         self._owner = None
         table._sparseopt_lookup = self
@@ -85,7 +93,9 @@ class SparseLookup:
         valid = ops.logical_and(ops.greater_equal(ids, 0), ops.less(ids, num_rows))
         self.num_dropped_ids.assign_add(ops.sum(ops.cast(ops.logical_not(valid), "int32")))
         safe_ids = ops.where(valid, ids, 0)
-        rows = backend.read_rows(self.table, safe_ids)
+        with AutocastScope(None):
+            rows = backend.read_rows(self.table, safe_ids)
+        rows = ops.cast(rows, self.compute_dtype)
         rows = ops.where(ops.expand_dims(valid, -1), rows, ops.zeros_like(rows))
         update_ids = ops.reshape(ops.where(valid, ids, num_rows), (-1,))
         return backend.tap(rows, self.probe.value, update_ids, self._on_backward)
