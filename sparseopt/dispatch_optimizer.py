@@ -172,7 +172,6 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                     shape=(), dtype="int32", initializer="zeros",
                     name=f"{table.path.replace('/', '_')}_skipped_steps",
                 )
-                entry.lookup.claim(self)
         super().build(var_list)
 
     def _check_table(self, var, updater, lookup, owner):

@@ -336,3 +336,10 @@ def test_mixed_precision_policy_wraps_and_trains_tables_with_the_true_gradient()
     # float16 activations: the table moves as in float32, within half precision.
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
     assert np.abs(got - want).max() < 0.01 * np.abs(want).max()
+
+
+def test_a_second_sparse_lookup_of_one_table_is_refused():
+    layer = UserTable(VOCAB, WIDTH, name="user")
+    layer.build((None, N_IDS))
+    with pytest.raises(ValueError, match="user/table.*already has a SparseLookup"):
+        sparseopt.ops.SparseLookup(layer, layer.table)

@@ -1,7 +1,5 @@
 """`SparseLookup`: read rows of a table so that they can be updated sparsely."""
 
-import weakref
-
 import keras
 from keras import ops
 
@@ -54,6 +52,12 @@ class SparseLookup:
                 f"SparseLookup: table '{table.path}' must be 2-D [rows, width], "
                 f"got shape {table.shape}."
             )
+        if getattr(table, "_sparseopt_lookup", None) is not None:
+            raise ValueError(
+                f"SparseLookup: table '{table.path}' already has a SparseLookup; "
+                "create one per table and call it as often as needed (its row "
+                "gradients from every call in a step are summed)."
+            )
         self.table = table
         base = table.name.replace("/", "_")
         self.probe = layer.add_weight(
@@ -67,17 +71,8 @@ class SparseLookup:
         self.layer_name = layer.name
         self.compute_dtype = layer.compute_dtype
         self.records = []
-        self._owner = None
         table._sparseopt_lookup = self
         self.probe._sparseopt_probe_of = self
-
-    @property
-    def owner(self):
-        """The `DispatchOptimizer` that applies this table's updates, if any."""
-        return self._owner() if self._owner is not None else None
-
-    def claim(self, optimizer):
-        self._owner = weakref.ref(optimizer)
 
     def take_records(self):
         records, self.records = self.records, []
