@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import sparseopt
 from tests import reference
 from tests.conftest import to_np
-from tests.helpers import dot_loss
+from tests.helpers import dot_loss, table_model
 
 RULES = {
     "SGD": ({}, lambda: sparseopt.updaters.SGD(0.1)),
@@ -25,8 +25,7 @@ def _model(name):
     # One compiled model per rule, reset between examples: compiling per example
     # would make a thousand cases far too slow.
     if name not in _models:
-        model, emb = __import__("tests.helpers", fromlist=["x"]).table_model(
-            VOCAB, WIDTH, N_IDS, RULES[name][1]())
+        model, emb = table_model(VOCAB, WIDTH, N_IDS, RULES[name][1]())
         opt = sparseopt.DispatchOptimizer(keras.optimizers.SGD())
         model.compile(optimizer=opt, loss=dot_loss)
         opt.build(model.trainable_variables)

@@ -85,8 +85,7 @@ class SparseEmbedding(keras.layers.Layer):
         summed = ops.sum(rows, axis=-2)
         if self.combiner == "sum":
             return summed
-        valid = ops.logical_and(ops.greater_equal(ids, 0), ops.less(ids, self.input_dim))
-        count = ops.sum(ops.cast(valid, summed.dtype), axis=-1, keepdims=True)
+        count = ops.sum(ops.cast(self._lookup.valid(ids), summed.dtype), axis=-1, keepdims=True)
         return summed / ops.maximum(count, 1.0)
 
     def compute_output_shape(self, input_shape):

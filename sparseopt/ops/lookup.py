@@ -78,6 +78,10 @@ class SparseLookup:
         records, self.records = self.records, []
         return records
 
+    def valid(self, ids):
+        """Boolean mask of the ids inside `[0, num_rows)`."""
+        return ops.logical_and(ops.greater_equal(ids, 0), ops.less(ids, self.table.shape[0]))
+
     def __call__(self, ids):
         """Returns `table[ids]`, shape `ids.shape + (width,)`; invalid ids give 0."""
         check_ids_dtype(ids, self.layer_name, self.table.path)
@@ -85,7 +89,7 @@ class SparseLookup:
         # optimizer (e.g. gradients computed and dropped); forget them.
         self.records = []
         num_rows = self.table.shape[0]
-        valid = ops.logical_and(ops.greater_equal(ids, 0), ops.less(ids, num_rows))
+        valid = self.valid(ids)
         self.num_dropped_ids.assign_add(ops.sum(ops.cast(ops.logical_not(valid), "int32")))
         safe_ids = ops.where(valid, ids, 0)
         with AutocastScope(None):
