@@ -343,3 +343,32 @@ def test_a_second_sparse_lookup_of_one_table_is_refused():
     layer.build((None, N_IDS))
     with pytest.raises(ValueError, match="user/table.*already has a SparseLookup"):
         sparseopt.ops.SparseLookup(layer, layer.table)
+
+
+class UndeclaredTable(UserTable):
+    @property
+    def variable_path_to_optimizer_map(self):
+        return {}
+
+
+def test_sparse_table_without_an_updater_is_refused_at_build():
+    layer = UndeclaredTable(VOCAB, WIDTH, name="undeclared")
+    ids = keras.Input((N_IDS,), dtype="int32")
+    model = keras.Model(ids, layer(ids))
+    with pytest.raises(ValueError, match="undeclared/table.*has no sparse updater"):
+        sparseopt.DispatchOptimizer(keras.optimizers.SGD()).build(model.trainable_variables)
+
+
+def test_ambiguous_optimizer_map_patterns_are_refused():
+    model = head_model(sparseopt.layers.SparseEmbedding(
+        VOCAB, WIDTH, updater=sparseopt.updaters.Adagrad(0.1), name="emb"))
+    opt = sparseopt.DispatchOptimizer(
+        keras.optimizers.Adam(),
+        optimizer_map={"hid.*": keras.optimizers.SGD(), ".*kernel": keras.optimizers.SGD()})
+    with pytest.raises(ValueError, match="hidden/kernel.*several optimizer_map keys"):
+        opt.build(model.trainable_variables)
+
+
+def test_loss_scale_optimizer_inside_dispatch_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"LossScaleOptimizer\(DispatchOptimizer"):
+        sparseopt.DispatchOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
