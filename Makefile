@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	KERAS_BACKEND=jax $(BIN)/python examples/dlrm_synthetic.py --demo
+	KERAS_BACKEND=jax $(BIN)/python examples/dlrm_synthetic.py
 
 test: test-jax test-tensorflow
 

@@ -17,7 +17,7 @@ At the end the same architecture is trained for a few steps the way most
 users start: `keras.layers.Embedding` + `keras.optimizers.Adam` for everything.
 Step time and optimizer memory are compared.
 
-    KERAS_BACKEND=jax python examples/dlrm_synthetic.py --demo
+    KERAS_BACKEND=jax python examples/dlrm_synthetic.py     # the `make demo` run, ~1 min
     python examples/dlrm_synthetic.py --examples 5000000 --scale 10
 """
 
@@ -107,7 +107,8 @@ class StepTimer(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         # Reading the loss waits for the step to finish (JAX dispatches async).
-        float(logs["loss"]) if logs and "loss" in logs else None
+        if logs and "loss" in logs:
+            float(logs["loss"])
         self.times.append(time.perf_counter() - self._t)
 
     def on_train_begin(self, logs=None):
@@ -128,7 +129,6 @@ def time_steps(model, x, y, batch, steps):
 
 def main():
     parser = argparse.ArgumentParser(description="DLRM on synthetic clicks with sparseopt.")
-    parser.add_argument("--demo", action="store_true", help="the `make demo` size (~2 min)")
     parser.add_argument("--examples", type=int, default=2_400_000)
     parser.add_argument("--chunks", type=int, default=6, help="validation points in the pass")
     parser.add_argument("--batch", type=int, default=1024)

@@ -94,7 +94,7 @@ class SparseEmbedding(keras.layers.Layer):
         return tuple(input_shape[:-1]) + (self.output_dim,)
 
     def compute_output_spec(self, ids):
-        check_ids_dtype(ids, self.name, f"{self.name}/embeddings")
+        check_ids_dtype(ids, self.name, self.embeddings.path)
         return keras.KerasTensor(self.compute_output_shape(ids.shape), dtype=self.compute_dtype)
 
     def get_config(self):
