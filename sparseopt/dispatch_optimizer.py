@@ -2,10 +2,12 @@
 
 import dataclasses
 import re
+import warnings
 
 import keras
 from keras import ops
 
+from sparseopt import backend
 from sparseopt.declared import declared_updaters
 from sparseopt.sparse_apply import sparse_apply
 from sparseopt.updaters import Updater
@@ -172,6 +174,14 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                     shape=(), dtype="int32", initializer="zeros",
                     name=f"{table.path.replace('/', '_')}_skipped_steps",
                 )
+            self._workspace = None
+            if self._tables and backend.WORKSPACE:
+                # Scratch for the dedup, shared by all tables (they are
+                # updated one after another). Not state: never saved.
+                self._workspace = self.add_variable(
+                    shape=(max(t.lookup.table.shape[0] for t in self._tables.values()),),
+                    dtype="int32", initializer="zeros", name="dedup_workspace",
+                )
         super().build(var_list)
 
     def _check_table(self, var, updater, lookup, owner):
@@ -260,8 +270,31 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         applied = sparse_apply(
             table.updater, lookup.table, table.slots, ids, grads * multiplier,
             table.updater.learning_rate_at(self._iterations), self._iterations + 1,
+            workspace=self._workspace,
         )
         table.skipped.assign_add(1 - ops.cast(applied, "int32"))
+
+    # -- saving: everything but the dedup workspace ---------------------------
+
+    def _saved_variables(self):
+        workspace = getattr(self, "_workspace", None)
+        return [v for v in self.variables if v is not workspace]
+
+    def save_own_variables(self, store):
+        for i, variable in enumerate(self._saved_variables()):
+            store[str(i)] = variable.numpy()
+
+    def load_own_variables(self, store):
+        saved = self._saved_variables()
+        if len(store.keys()) != len(saved):
+            # Keras' own policy for a mismatch (e.g. an unbuilt optimizer).
+            warnings.warn(
+                f"DispatchOptimizer '{self.name}': skipping optimizer state, the "
+                f"checkpoint holds {len(store.keys())} variables and this "
+                f"optimizer {len(saved)}.", stacklevel=2)
+            return
+        for i, variable in enumerate(saved):
+            variable.assign(store[str(i)])
 
     def finalize_variable_values(self, var_list):
         for opt in self._dense_optimizers:

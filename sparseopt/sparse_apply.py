@@ -11,7 +11,7 @@ from keras import ops
 from sparseopt import backend
 
 
-def sparse_apply(updater, table, slots, ids, grads, learning_rate, step):
+def sparse_apply(updater, table, slots, ids, grads, learning_rate, step, workspace=None):
     """Updates the touched rows of `table` and its `slots` in place.
 
     Args:
@@ -24,13 +24,15 @@ def sparse_apply(updater, table, slots, ids, grads, learning_rate, step):
             entry is not finite, the table and its state are left unchanged.
         learning_rate: scalar tensor.
         step: scalar int tensor, the 1-based update count.
+        workspace: where `backend.WORKSPACE` is true, an int32 variable with
+            at least `V` entries for the dedup (contents do not matter).
 
     Returns:
         A boolean scalar tensor: whether the update was applied.
     """
     num_rows = table.shape[0]
     grads = ops.cast(grads, "float32")
-    uniq, summed = backend.dedup(ids, grads, num_rows)
+    uniq, summed = backend.dedup(ids, grads, num_rows, workspace)
     # A non-finite gradient skips the whole table for this step.
     finite = ops.all(ops.isfinite(grads))
     if backend.fused_apply(updater, table, slots, uniq, summed, learning_rate, finite):

@@ -59,3 +59,8 @@ def numpy_replay(name, cfg, table0, xs, ys, lr_fn):
         grads = y.astype(np.float64) / x.shape[0]
         table, state = reference.sparse_step(name, table, state, x, grads, lr_fn(t), cfg)
     return table, state
+
+
+def optimizer_state(optimizer):
+    """The optimizer's variables that are state (all but JAX's dedup scratch)."""
+    return [v for v in optimizer.variables if "dedup_workspace" not in v.path]

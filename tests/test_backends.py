@@ -13,6 +13,7 @@ from keras import ops
 import sparseopt
 from tests import reference
 from tests.conftest import to_np
+from tests.helpers import optimizer_state
 
 BACKEND = keras.backend.backend()
 
@@ -88,7 +89,7 @@ def train_reference_model():
     model.fit(xs, ys, batch_size=16, epochs=2, shuffle=False, verbose=0)
     out = {v.path: keras.ops.convert_to_numpy(v).tolist() for v in model.weights}
     out.update({"optimizer/" + v.path: keras.ops.convert_to_numpy(v).tolist()
-                for v in model.optimizer.variables})
+                for v in optimizer_state(model.optimizer)})
     return out
 
 

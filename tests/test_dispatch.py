@@ -7,7 +7,8 @@ from keras import ops
 
 import sparseopt
 from tests.conftest import to_np
-from tests.helpers import OneHotEmbedding, batches, dot_loss, numpy_replay, table_model
+from tests.helpers import (OneHotEmbedding, batches, dot_loss, numpy_replay, optimizer_state,
+                           table_model)
 
 VOCAB, WIDTH, N_IDS, BATCH = 200, 4, 6, 8
 
@@ -68,8 +69,14 @@ def test_standard_optimizer_creates_no_slot_for_tables():
     opt.build(model.trainable_variables)
     big = [v.path for v in opt.optimizer.variables if len(v.shape) and v.shape[0] == 100_000]
     assert big == []
-    slots = [tuple(v.shape) for v in opt.variables if len(v.shape) and v.shape[0] == 100_000]
+    slots = [tuple(v.shape) for v in opt.variables if len(v.shape) and v.shape[0] == 100_000
+             and "dedup_workspace" not in v.path]
     assert slots == [(100_000, WIDTH), (100_000, WIDTH)]  # FTRL: accumulator + linear
+    # JAX's dedup scratch: one int32 per row (1/WIDTH of the table), not saved.
+    from sparseopt import backend
+
+    workspace = [(tuple(v.shape), v.dtype) for v in opt.variables if "dedup_workspace" in v.path]
+    assert workspace == ([((100_000,), "int32")] if backend.WORKSPACE else [])
 
 
 def _scaled_run(make_optimizer, xs, ys, updater):
@@ -107,14 +114,14 @@ def test_loss_scale_optimizer_skip_leaves_tables_and_state_untouched():
     rng = np.random.default_rng(6)
     xs, ys = batches(rng, 2, BATCH, N_IDS, VOCAB, WIDTH)
     model.train_on_batch(xs[0], ys[0])
-    table, state = to_np(emb.embeddings), [to_np(v) for v in opt.variables]
+    table, state = to_np(emb.embeddings), [to_np(v) for v in optimizer_state(opt)]
     scale = float(to_np(opt.dynamic_scale))
     bad_y = ys[1].copy()
     bad_y[0, 0, 0] = np.inf
     model.train_on_batch(xs[1], bad_y)
     assert np.array_equal(to_np(emb.embeddings), table)
     inner = opt.inner_optimizer
-    for v, before in zip(opt.variables, state):
+    for v, before in zip(optimizer_state(opt), state):
         if v is opt.dynamic_scale or v is opt.step_counter:
             continue
         assert np.array_equal(to_np(v), before), v.path
@@ -141,7 +148,7 @@ def test_non_finite_gradient_without_loss_scaling_skips_the_table_and_counts_it(
     xs, ys = batches(rng, 2, BATCH, N_IDS, VOCAB, WIDTH)
     model.train_on_batch(xs[0], ys[0])
     table = to_np(emb.embeddings)
-    state = {v.path: to_np(v) for v in opt.variables if "skipped_steps" not in v.path}
+    state = {v.path: to_np(v) for v in optimizer_state(opt) if "skipped_steps" not in v.path}
     bad_y = ys[1].copy()
     bad_y[3, 2, 1] = np.nan
     model.train_on_batch(xs[1], bad_y)

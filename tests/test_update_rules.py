@@ -100,7 +100,18 @@ def test_compiled_and_eager_steps_agree(mode, case):
     np.testing.assert_allclose(to_np(emb.embeddings), want, rtol=2e-5, atol=2e-6)
 
 
-def test_backend_dedup_matches_numpy_unique_and_sum():
+def workspace(size, fill=0):
+    """An int32 dedup workspace, for backends that need one (else None)."""
+    from sparseopt import backend
+
+    if not backend.WORKSPACE:
+        return None
+    return keras.Variable(np.full(size, fill, "int32"), dtype="int32", trainable=False)
+
+
+@pytest.mark.parametrize("stale", [0, 7, -1])
+def test_backend_dedup_matches_numpy_unique_and_sum(stale):
+    """Also with a workspace holding stale positions of an earlier step."""
     from sparseopt import backend
 
     rng = np.random.default_rng(9)
@@ -108,7 +119,8 @@ def test_backend_dedup_matches_numpy_unique_and_sum():
     ids[:50] = 7
     grads = rng.normal(size=(500, 3)).astype("float32")
     uniq, summed = (to_np(t) for t in backend.dedup(keras.ops.convert_to_tensor(ids),
-                                                     keras.ops.convert_to_tensor(grads), 50))
+                                                     keras.ops.convert_to_tensor(grads), 50,
+                                                     workspace(64, stale)))
     keep = uniq < 50
     valid = (ids >= 0) & (ids < 50)
     want_ids = np.unique(ids[valid])
@@ -133,6 +145,15 @@ def test_dedup_padding_never_wraps_to_a_real_row_near_int32_limit():
     from sparseopt import backend
 
     num_rows = 2**31 - 10  # padding ids num_rows + i would overflow int32
+    if backend.WORKSPACE:
+        # A workspace for 2**31 rows is 8 GB; the padding ids are all that
+        # depends on num_rows there, so check those directly.
+        from sparseopt.backend.jax import padding_ids
+
+        pad = to_np(padding_ids(num_rows, 20)).astype(np.int64)
+        assert np.all(pad >= num_rows) and np.all(pad < 2**31)
+        np.testing.assert_array_equal(to_np(padding_ids(1000, 20)), 1000 + np.arange(20))
+        return
     ids = np.array([5, 5, -1, 2**31 - 11, 7] * 4, dtype="int32")
     grads = np.ones((20, 2), "float32")
     uniq, summed = (to_np(t) for t in backend.dedup(keras.ops.convert_to_tensor(ids),

@@ -5,8 +5,9 @@ Each backend module provides:
 - `tap(rows, probe, ids, on_backward)`: identity on `rows`; its backward pass
   hands the row cotangent to `on_backward(ids, grads)` and gives `probe` the
   cotangent 1 (NaN when the row cotangent is not finite).
-- `dedup(ids, grads, num_rows)`: sum the gradients of equal ids; ids outside
-  `[0, num_rows)` are dropped.
+- `dedup(ids, grads, num_rows, workspace)`: sum the gradients of equal ids;
+  ids outside `[0, num_rows)` are dropped. `WORKSPACE` says whether it needs
+  `workspace`, a persistent int32 variable with one entry per row (JAX).
 - `read_rows(table, ids)`: the forward lookup, with no gradient to `table`.
 - `gather(value, ids)` / `scatter(variable, ids, rows)`: read and write
   touched rows in place.
@@ -18,10 +19,11 @@ Each backend module provides:
 import keras
 
 if keras.backend.backend() == "jax":
-    from sparseopt.backend.jax import dedup, fused_apply, gather, read_rows, scatter, tap  # noqa: F401
+    from sparseopt.backend.jax import (  # noqa: F401
+        WORKSPACE, dedup, fused_apply, gather, read_rows, scatter, tap)
 elif keras.backend.backend() == "tensorflow":
     from sparseopt.backend.tensorflow import (  # noqa: F401
-        dedup, fused_apply, gather, read_rows, scatter, tap)
+        WORKSPACE, dedup, fused_apply, gather, read_rows, scatter, tap)
 else:
     raise ImportError(
         f"sparseopt supports the 'jax' and 'tensorflow' Keras backends; the "

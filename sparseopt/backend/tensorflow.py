@@ -26,7 +26,11 @@ def tap(rows, probe, ids, on_backward):
     return _tap(rows, probe)
 
 
-def dedup(ids, grads, num_rows):
+# tf.unique already hashes; dedup needs no workspace.
+WORKSPACE = False
+
+
+def dedup(ids, grads, num_rows, workspace=None):
     """Returns `(unique_ids, summed_grads)` of the valid ids only.
 
     The number of ids stays static until the very end, so the XLA-compiled
