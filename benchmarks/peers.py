@@ -1,0 +1,303 @@
+"""The configurations `run.py` compares, and the child process that times them.
+
+Every peer trains the same model on the same batches: ids `[batch, 16]` ->
+table `[rows, 32]`, sum-pooled -> `Dense(1)` -> MSE, the dense part by Adam.
+
+    framework   peer                      table trained by
+    jax, tf     sparseopt-<updater>       SparseEmbedding + DispatchOptimizer(Adam)
+    jax, tf     keras-adagrad/keras-adam  keras.layers.Embedding + MultiOptimizer
+                                          (table -> Adagrad or Adam, rest -> Adam)
+    torch       fbgemm-rowwise_adagrad    SplitTableBatchedEmbeddingBagsCodegen,
+    torch       fbgemm-adagrad            EXACT_ROWWISE_ADAGRAD / EXACT_ADAGRAD (CPU)
+
+A step is the framework's compiled training step called in a Python loop on
+pre-made batches (JAX: `jax.jit(model.train_step)` with donated state, as
+`fit` runs it; TF: `tf.function(model.train_step)`; torch: forward, backward
+with FBGEMM's fused update, Adam step). `fit`'s own per-step overhead (data
+iterator, callbacks) is left out for every peer alike.
+
+A child hosts several configurations of one framework (`serve`); they are
+built one after another (memory measured per configuration), then timed
+round-robin on the parent's `time` commands.
+"""
+
+import json
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+WIDTH = 32
+IDS_PER_EXAMPLE = 16
+HOT_ROWS = 8192  # every batch draws its ids from this many rows: equal work at any size
+N_BATCHES = 8
+TABLE_LR = 0.05
+DENSE_LR = 1e-3
+
+SPARSEOPT_UPDATERS = ["sgd", "adagrad", "rowwise_adagrad", "ftrl"]
+FRAMEWORK_PEERS = {
+    "jax": [f"sparseopt-{u}" for u in SPARSEOPT_UPDATERS] + ["keras-adagrad", "keras-adam"],
+    "tensorflow": [f"sparseopt-{u}" for u in SPARSEOPT_UPDATERS] + ["keras-adagrad", "keras-adam"],
+    "torch": ["fbgemm-rowwise_adagrad", "fbgemm-adagrad"],
+}
+# Table-sized arrays a configuration holds at its peak, in tables, for
+# planning which configurations fit in memory together (measured, rounded up:
+# Keras' random initializer peaks at ~4 tables on JAX and ~3 on TF; a dense
+# table gradient and its temporaries add 2).
+MEMORY_TABLES = {"sparseopt-sgd": 4, "sparseopt-adagrad": 5, "sparseopt-rowwise_adagrad": 4,
+                 "sparseopt-ftrl": 6, "keras-adagrad": 6, "keras-adam": 7,
+                 "fbgemm-rowwise_adagrad": 1.2, "fbgemm-adagrad": 2.2}
+PROCESS_GB = {"jax": 1.0, "tensorflow": 1.2, "torch": 0.6}
+
+
+def make_batches(rows, batch, seed=0):
+    """`N_BATCHES` batches of hot ids (int32 `[batch, 16]`) and targets."""
+    rng = np.random.default_rng(seed)
+    hot = rng.choice(rows, size=min(HOT_ROWS, rows), replace=False)
+    xs = [hot[rng.integers(0, hot.size, size=(batch, IDS_PER_EXAMPLE))].astype("int32")
+          for _ in range(N_BATCHES)]
+    ys = [rng.normal(size=(batch, 1)).astype("float32") for _ in range(N_BATCHES)]
+    return xs, ys
+
+
+# -- Keras (JAX and TensorFlow) ----------------------------------------------
+
+
+def _updater(name):
+    import sparseopt
+
+    return {"sgd": sparseopt.updaters.SGD(TABLE_LR),
+            "adagrad": sparseopt.updaters.Adagrad(TABLE_LR),
+            "rowwise_adagrad": sparseopt.updaters.RowwiseAdagrad(TABLE_LR),
+            "ftrl": sparseopt.updaters.Ftrl(TABLE_LR)}[name]
+
+
+def build_keras(peer, rows, batch):
+    """Model + optimizer for a `sparseopt-*` or `keras-*` peer."""
+    import keras
+
+    import sparseopt
+
+    keras.utils.set_random_seed(0)
+    ids = keras.Input((IDS_PER_EXAMPLE,), dtype="int32")
+    kind, name = peer.split("-", 1)
+    if kind == "sparseopt":
+        x = sparseopt.layers.SparseEmbedding(rows, WIDTH, updater=_updater(name),
+                                             combiner="sum", name="emb")(ids)
+        optimizer = sparseopt.DispatchOptimizer(keras.optimizers.Adam(DENSE_LR))
+    else:
+        x = keras.ops.sum(keras.layers.Embedding(rows, WIDTH, name="emb")(ids), axis=1)
+        table_opt = {"adagrad": keras.optimizers.Adagrad, "adam": keras.optimizers.Adam}[name]
+        optimizer = keras.optimizers.MultiOptimizer(keras.optimizers.OptimizerMap(
+            keras.optimizers.Adam(DENSE_LR), {"emb/embeddings": table_opt(TABLE_LR)}))
+    model = keras.Model(ids, keras.layers.Dense(1, name="out")(x))
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+def keras_state_bytes(model, rows):
+    """Optimizer bytes by kind: table state, from the dense optimizer, scratch."""
+    table_state = dense_for_table = workspace = other = 0
+    optimizer = model.optimizer
+    dense_opts = getattr(optimizer, "_dense_optimizers", None)
+    dense_ids = {id(v) for o in dense_opts for v in o.variables} if dense_opts else set()
+    for v in optimizer.variables:
+        nbytes = int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+        table_sized = len(v.shape) > 0 and v.shape[0] == rows
+        if "dedup_workspace" in v.path:
+            workspace += nbytes
+        elif table_sized and id(v) in dense_ids:
+            dense_for_table += nbytes
+        elif table_sized:
+            table_state += nbytes
+        else:
+            other += nbytes
+    return {"table_state": table_state, "dense_optimizer_for_table": dense_for_table,
+            "workspace": workspace, "other": other}
+
+
+def jax_step(model, xs, ys):
+    import jax
+
+    model._symbolic_build(data_batch=(xs[0], ys[0]))
+    state = [tuple(model._get_jax_state(trainable_variables=True, non_trainable_variables=True,
+                                        optimizer_variables=True, metrics_variables=True))]
+    step = jax.jit(model.train_step, donate_argnums=0)
+    data = [(jax.device_put(x), jax.device_put(y)) for x, y in zip(xs, ys)]
+    counter = [0]
+
+    def run():
+        _, state[0] = step(state[0], data[counter[0] % N_BATCHES])
+        counter[0] += 1
+
+    def sync():
+        jax.block_until_ready(state[0])
+
+    return run, sync
+
+
+def tf_step(model, xs, ys):
+    import tensorflow as tf
+
+    model.train_on_batch(xs[0], ys[0])  # builds the optimizer
+    step = tf.function(model.train_step)
+    data = [(tf.constant(x), tf.constant(y)) for x, y in zip(xs, ys)]
+    counter = [0]
+    last = [None]
+
+    def run():
+        last[0] = step(data[counter[0] % N_BATCHES])
+        counter[0] += 1
+
+    def sync():
+        if last[0] is not None:
+            tf.nest.map_structure(lambda t: t.numpy(), last[0])
+
+    return run, sync
+
+
+# -- TorchRec / FBGEMM ----------------------------------------------------------
+
+
+def build_fbgemm(peer, rows, batch, xs, ys):
+    import torch
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+        EmbeddingLocation, PoolingMode)
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+
+    torch.manual_seed(0)
+    optim = {"fbgemm-rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+             "fbgemm-adagrad": EmbOptimType.EXACT_ADAGRAD}[peer]
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(rows, WIDTH, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=optim,
+        learning_rate=TABLE_LR, eps=1e-7, pooling_mode=PoolingMode.SUM)
+    head = torch.nn.Linear(WIDTH, 1)
+    adam = torch.optim.Adam(head.parameters(), DENSE_LR)
+    offsets = torch.arange(0, batch * IDS_PER_EXAMPLE + 1, IDS_PER_EXAMPLE, dtype=torch.int64)
+    data = [(torch.from_numpy(x.reshape(-1).astype("int64")), torch.from_numpy(y))
+            for x, y in zip(xs, ys)]
+    counter = [0]
+
+    def run():
+        ids, y = data[counter[0] % N_BATCHES]
+        counter[0] += 1
+        loss = torch.mean((head(tbe(ids, offsets)) - y) ** 2)
+        adam.zero_grad()
+        loss.backward()  # FBGEMM applies the table update inside its backward
+        adam.step()
+
+    state = tbe.get_optimizer_state()
+    table_state = sum(t.numel() * t.element_size() for s in state for t in s.values())
+    return run, (lambda: None), {"table_state": table_state, "dense_optimizer_for_table": 0,
+                                 "workspace": 0, "other": 0}
+
+
+# -- the child process ----------------------------------------------------------
+
+
+def _rss_mb(key):
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _reset_peak():
+    try:  # Linux: writing 5 resets this process' VmHWM (peak RSS) counter
+        pathlib.Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+class Config:
+    """One (peer, rows, batch) built in this process, with its timings."""
+
+    def __init__(self, framework, slot):
+        self.slot = slot
+        peer, rows, batch = slot["peer"], slot["rows"], slot["batch"]
+        rss_before = _rss_mb("VmRSS:")
+        _reset_peak()
+        xs, ys = make_batches(rows, batch)
+        if framework == "torch":
+            self.run, self.sync, self.state = build_fbgemm(peer, rows, batch, xs, ys)
+        else:
+            model = build_keras(peer, rows, batch)
+            self.run, self.sync = (jax_step if framework == "jax" else tf_step)(model, xs, ys)
+            self.state = keras_state_bytes(model, rows)
+            self.model = model
+        for _ in range(3):  # compile and warm up
+            self.run()
+        self.sync()
+        probe = time.perf_counter()
+        self.run()
+        self.sync()
+        self.probe_s = max(time.perf_counter() - probe, 1e-5)
+        self.build_peak_mb = _rss_mb("VmHWM:") - rss_before
+        self.distinct = float(np.mean([np.unique(x).size for x in xs]))
+        self.step_ms = []
+        self.train_peak_mb = 0.0
+        self.rss_before = rss_before
+
+    def time(self, budget_s):
+        steps = int(max(3, min(500, budget_s / self.probe_s)))
+        # Untimed steps first: this configuration's buffers back in cache, and
+        # the cores awake again after the parent's pause between children.
+        for _ in range(max(1, steps // 3)):
+            self.run()
+        self.sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.run()
+        self.sync()
+        self.step_ms.append((time.perf_counter() - start) / steps * 1e3)
+
+    def result(self):
+        ms = np.asarray(self.step_ms)
+        return dict(self.slot, **{
+            "step_ms": ms.tolist(), "median_ms": float(np.median(ms)),
+            "p25_ms": float(np.percentile(ms, 25)), "p75_ms": float(np.percentile(ms, 75)),
+            "min_ms": float(ms.min()), "max_ms": float(ms.max()),
+            "examples_per_s": self.slot["batch"] / (float(np.median(ms)) / 1e3),
+            "distinct_ids_per_step": self.distinct,
+            "table_bytes": self.slot["rows"] * WIDTH * 4,
+            "state_bytes": self.state,
+            # The framework's own process memory plus what this configuration
+            # added at its peak (building, compiling, first steps).
+            "peak_rss_mb": self.base_mb + self.build_peak_mb,
+            "added_rss_mb": self.build_peak_mb,
+        })
+
+
+def serve(framework, slots, budget_s):
+    """Builds `slots` (one framework), then answers `time` / `result` on stdin."""
+    if framework == "torch":
+        import os
+
+        import torch
+
+        torch.set_num_threads(os.cpu_count())
+        import fbgemm_gpu  # noqa: F401
+    else:
+        import keras  # noqa: F401
+
+        import sparseopt  # noqa: F401
+    base_mb = _rss_mb("VmRSS:")
+    configs = [Config(framework, slot) for slot in slots]
+    for config in configs:
+        config.base_mb = base_mb
+    print("ready", flush=True)
+    for command in sys.stdin:
+        if command.strip() == "time":
+            for config in configs:
+                config.time(budget_s)
+            print("ok", flush=True)
+        elif command.strip() == "result":
+            print(json.dumps([c.result() for c in configs]), flush=True)
+            return
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3]))
