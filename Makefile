@@ -8,7 +8,7 @@ export PYTHONWARNINGS ?= ignore::DeprecationWarning
 # Backend of `make demo` and `make bench`: `make demo BACKEND=tensorflow`.
 BACKEND ?= jax
 
-.PHONY: demo test test-jax test-tensorflow bench env clean
+.PHONY: demo test test-jax test-tensorflow bench bench-quick bench-peers env clean
 
 env: $(STAMP)
 
@@ -29,8 +29,16 @@ test-jax: $(STAMP)
 test-tensorflow: $(STAMP)
 	KERAS_BACKEND=tensorflow $(BIN)/python -m pytest
 
+# The benchmark suite (docs/benchmarks.md): full run ~45 min, quick < 3 min.
 bench: $(STAMP)
-	KERAS_BACKEND=$(BACKEND) $(BIN)/python benchmarks/table_scaling.py --backend $(BACKEND)
+	$(BIN)/python benchmarks/run.py
+
+bench-quick: $(STAMP)
+	$(BIN)/python benchmarks/run.py --quick
+
+# Optional peers for the suite's TorchRec/FBGEMM rows (CPU builds, ~1 GB).
+bench-peers: $(STAMP)
+	$(BIN)/python -m pip install -q torch==2.13.0 fbgemm-gpu-cpu==1.8.0
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

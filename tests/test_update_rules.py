@@ -110,25 +110,28 @@ def workspace(size, fill=0):
 
 
 @pytest.mark.parametrize("stale", [0, 7, -1])
-def test_backend_dedup_matches_numpy_unique_and_sum(stale):
+@pytest.mark.parametrize("num_rows", [50, 1000])  # fewer rows than ids, and more
+def test_backend_dedup_matches_numpy_unique_and_sum(stale, num_rows):
     """Also with a workspace holding stale positions of an earlier step."""
     from sparseopt import backend
 
     rng = np.random.default_rng(9)
     ids = rng.integers(-3, 60, size=500).astype("int32")
     ids[:50] = 7
+    ids[50:60] = 1003  # out of range for both
     grads = rng.normal(size=(500, 3)).astype("float32")
     uniq, summed = (to_np(t) for t in backend.dedup(keras.ops.convert_to_tensor(ids),
-                                                     keras.ops.convert_to_tensor(grads), 50,
-                                                     workspace(64, stale)))
-    keep = uniq < 50
-    valid = (ids >= 0) & (ids < 50)
+                                                     keras.ops.convert_to_tensor(grads),
+                                                     num_rows, workspace(num_rows + 8, stale)))
+    keep = uniq < num_rows
+    valid = (ids >= 0) & (ids < num_rows)
     want_ids = np.unique(ids[valid])
     np.testing.assert_array_equal(np.sort(uniq[keep]), want_ids)
     order = np.argsort(uniq[keep])
     want = np.stack([grads[ids == i].sum(0) for i in want_ids])
     np.testing.assert_allclose(summed[keep][order], want, rtol=1e-5, atol=1e-5)
     assert len(set(uniq.tolist())) == len(uniq)  # padding ids are distinct too
+    np.testing.assert_array_equal(summed[~keep], 0)
 
 
 def test_several_steps_per_execution_apply_every_step():

@@ -6,6 +6,8 @@ in the same trace. Under Keras' jitted, state-donating train step the scatter
 below updates the donated table buffer in place.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,7 +36,7 @@ WORKSPACE = True
 
 
 def dedup(ids, grads, num_rows, workspace):
-    """Returns `(unique_ids, summed_grads)` of static length `len(ids)`.
+    """Returns `(unique_ids, summed_grads)` of static length.
 
     No sort: every occurrence writes its position into `workspace[id]`; the
     write that lands is one of that id's positions, so reading
@@ -45,10 +47,11 @@ def dedup(ids, grads, num_rows, workspace):
     XLA:CPU (0.55 vs 1.27 ms for a row-wise Adagrad update of 16k ids) and
     works the same on GPU, where the racing writes are equally harmless.
 
-    Entry `i` of the result is a real row only where position `i` is its
-    id's representative; all other entries (duplicates, padding, invalid ids)
-    are distinct ids `>= num_rows` with zero gradient, which `gather` clamps
-    and `scatter` drops.
+    The result has `min(len(ids), num_rows)` entries. With `num_rows >=
+    len(ids)`, entry `i` is a real row where position `i` is its id's
+    representative; otherwise the distinct ids come first. All other entries
+    (duplicates, padding, invalid ids) are distinct ids `>= num_rows` with
+    zero gradient, which `gather` clamps and `scatter` drops.
 
     Args:
         ids: int `[N]` ids; ids outside `[0, num_rows)` are ignored.
@@ -64,9 +67,19 @@ def dedup(ids, grads, num_rows, workspace):
     space = space.at[jnp.where(valid, ids, space.shape[0])].set(position, mode="drop")
     workspace.assign(space)
     representative = jnp.where(valid, jnp.take(space, ids, mode="clip"), n)
-    summed = jax.ops.segment_sum(grads, representative, num_segments=n)  # drops n
     is_first = representative == position
-    return jnp.where(is_first, ids, padding_ids(num_rows, n)), summed
+    if num_rows >= n:
+        summed = jax.ops.segment_sum(grads, representative, num_segments=n)  # drops n
+        return jnp.where(is_first, ids, padding_ids(num_rows, n)), summed
+    # A table smaller than the batch has at most num_rows distinct ids: pack
+    # them into num_rows slots, so that gather, rule and scatter work on
+    # num_rows rows, not n (small vocabularies, large batches).
+    slot = jnp.cumsum(is_first) - 1
+    segment = jnp.where(valid, jnp.take(slot, representative, mode="clip"), num_rows)
+    summed = jax.ops.segment_sum(grads, segment, num_segments=num_rows)
+    uniq = padding_ids(num_rows, num_rows).at[jnp.where(is_first, slot, num_rows)].set(
+        ids, mode="drop")
+    return uniq, summed
 
 
 def padding_ids(num_rows, n):
@@ -102,6 +115,24 @@ def scatter(variable, ids, rows):
     variable.assign(
         value.at[ids].set(rows.astype(value.dtype), mode="drop", unique_indices=unique)
     )
+
+
+def fill_in_blocks(make_block, shape, dtype, block_rows):
+    """A `shape` array whose row blocks are `make_block(i, block_shape)`.
+
+    Written into one preallocated array with a donating update, so memory
+    peaks at the array plus one block.
+    """
+    out = jnp.zeros(shape, dtype)
+    for i, start in enumerate(range(0, shape[0], block_rows)):
+        rows = min(block_rows, shape[0] - start)
+        out = _put_rows(out, make_block(i, (rows,) + tuple(shape[1:])), start)
+    return out
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_rows(out, block, start):
+    return jax.lax.dynamic_update_slice_in_dim(out, block.astype(out.dtype), start, axis=0)
 
 
 def fused_apply(updater, table, slots, ids, grads, learning_rate, finite):

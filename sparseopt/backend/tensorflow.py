@@ -26,6 +26,9 @@ def tap(rows, probe, ids, on_backward):
     return _tap(rows, probe)
 
 
+# TF copies an initial value into its variable anyway: tables are drawn whole.
+fill_in_blocks = None
+
 # tf.unique already hashes; dedup needs no workspace.
 WORKSPACE = False
 

@@ -4,6 +4,7 @@ import keras
 from keras import ops
 
 from sparseopt import updaters as updaters_lib
+from sparseopt.layers.block_init import blockwise
 from sparseopt.ops.lookup import SparseLookup, check_ids_dtype
 
 COMBINERS = (None, "sum", "mean")
@@ -63,7 +64,9 @@ class SparseEmbedding(keras.layers.Layer):
     def build(self, input_shape=None):
         self.embeddings = self.add_weight(
             shape=(self.input_dim, self.output_dim),
-            initializer=self.embeddings_initializer,
+            # Large random tables are drawn in blocks: memory peaks at one
+            # table, not four (see block_init.py).
+            initializer=blockwise(self.embeddings_initializer),
             name="embeddings",
             autocast=False,  # never cast the whole table; the lookup casts rows
         )

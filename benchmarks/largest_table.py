@@ -1,0 +1,139 @@
+"""The largest table: sparseopt trains it where plain Keras with Adam cannot.
+
+    python benchmarks/largest_table.py                 # 2**27 rows x 32 (16 GiB table)
+    python benchmarks/largest_table.py --rows 50000000
+
+One table of `rows x 32` float32 (ids [1024, 16], sum -> Dense(1), MSE) is
+trained on JAX, each library in its own process:
+  * sparseopt: SparseEmbedding + RowwiseAdagrad (state: 4 bytes per row) +
+    DispatchOptimizer(Adam); the table is drawn block by block, so memory
+    peaks near table + state;
+  * plain Keras: Embedding + Adam through MultiOptimizer, what most users
+    start with (two table-sized slots, a dense table-sized gradient).
+Each child volunteers as the kernel's first out-of-memory victim
+(oom_score_adj 1000); the parent samples its resident memory every 50 ms and
+records how it ended. Writes benchmarks/results/largest_table.json.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+HERE = pathlib.Path(__file__).parent
+ROWS = 2**27
+WIDTH, IDS, BATCH, STEPS = 32, 16, 1024, 200
+
+
+def child(library, rows):
+    pathlib.Path("/proc/self/oom_score_adj").write_text("1000")
+    import keras
+    import numpy as np
+
+    import sparseopt
+
+    keras.utils.set_random_seed(0)
+    ids = keras.Input((IDS,), dtype="int32")
+    started = time.perf_counter()
+    if library == "sparseopt":
+        x = sparseopt.layers.SparseEmbedding(
+            rows, WIDTH, updater=sparseopt.updaters.RowwiseAdagrad(0.05), combiner="sum",
+            name="emb")(ids)
+        optimizer = sparseopt.DispatchOptimizer(keras.optimizers.Adam(1e-3))
+    else:
+        x = keras.ops.sum(keras.layers.Embedding(rows, WIDTH, name="emb")(ids), axis=1)
+        optimizer = keras.optimizers.MultiOptimizer(keras.optimizers.OptimizerMap(
+            keras.optimizers.Adam(1e-3), {"emb/embeddings": keras.optimizers.Adam(0.05)}))
+    model = keras.Model(ids, keras.layers.Dense(1, name="out")(x))
+    model.compile(optimizer=optimizer, loss="mse")
+    print(json.dumps({"event": "built", "seconds": time.perf_counter() - started}), flush=True)
+    rng = np.random.default_rng(0)
+    hot = rng.choice(rows, size=8192, replace=False)
+    xs = hot[rng.integers(0, hot.size, size=(BATCH * STEPS, IDS))].astype("int32")
+    # A target the model can learn: a fixed random score per hot row.
+    score = dict(zip(hot.tolist(), rng.normal(size=hot.size) * 0.1))
+    ys = np.vectorize(score.get)(xs).sum(axis=1, keepdims=True).astype("float32")
+    model.fit(xs[:BATCH * 2], ys[:BATCH * 2], batch_size=BATCH, verbose=0)  # compile
+    start = time.perf_counter()
+    history = model.fit(xs, ys, batch_size=BATCH, epochs=3, verbose=0, shuffle=False)
+    seconds = time.perf_counter() - start
+    state = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+                for v in optimizer.variables)
+    print(json.dumps({"event": "trained", "ms_per_step": seconds / (3 * STEPS) * 1e3,
+                      "loss": history.history["loss"], "optimizer_bytes": state,
+                      "peak_rss_gb": _status_kb("VmHWM:") / 2**20}), flush=True)
+
+
+def _status_kb(key, pid="self", path=None):
+    try:
+        text = pathlib.Path(path or f"/proc/{pid}/status").read_text()
+        for line in text.splitlines():
+            if line.startswith(key):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def attempt(library, rows):
+    """Runs one child; returns how it ended and the most memory it held."""
+    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.Popen([sys.executable, __file__, "--child", library, "--rows", str(rows)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak_kb, start = 0, time.time()
+    while proc.poll() is None:
+        peak_kb = max(peak_kb, _status_kb("VmRSS:", proc.pid))
+        time.sleep(0.05)
+    out, err = proc.communicate()
+    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    result = {"library": library, "exit_code": proc.returncode,
+              "seconds": time.time() - start, "max_rss_gb_sampled": peak_kb / 2**20,
+              "events": events}
+    if proc.returncode != 0:
+        killed = proc.returncode == -9
+        result["outcome"] = ("out of memory (killed by the kernel's OOM killer)" if killed
+                             else "failed: " + (err.strip().splitlines() or ["?"])[-1][:300])
+    else:
+        result["outcome"] = "trained"
+    return result
+
+
+def run(rows=ROWS):
+    table_gb = rows * WIDTH * 4 / 2**30
+    print(f"largest table: {rows:,} rows x {WIDTH} ({table_gb:.1f} GiB)", flush=True)
+    results = [attempt(lib, rows) for lib in ("sparseopt", "keras-adam")]
+    total_gb = _status_kb("MemTotal:", path="/proc/meminfo") / 2**20
+    lines = [f"One table of {rows:,} rows x {WIDTH} float32 = {table_gb:.1f} GiB on a machine "
+             f"with {total_gb:.1f} GiB of RAM (JAX, batch {BATCH} x {IDS} ids).", "",
+             "| library | outcome | peak RSS GiB | optimizer state GiB | ms/step | loss by epoch |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        trained = next((e for e in r["events"] if e["event"] == "trained"), None)
+        if trained:
+            lines.append(f"| {r['library']} | {r['outcome']} | {trained['peak_rss_gb']:.1f} | "
+                         f"{trained['optimizer_bytes'] / 2**30:.2f} | "
+                         f"{trained['ms_per_step']:.2f} | "
+                         f"{' -> '.join(f'{x:.4f}' for x in trained['loss'])} |")
+        else:
+            lines.append(f"| {r['library']} | {r['outcome']} | "
+                         f"{r['max_rss_gb_sampled']:.1f} (last sample) | | | |")
+    data = {"rows": rows, "width": WIDTH, "table_gib": table_gb, "machine_gib": total_gb,
+            "results": results, "markdown": "\n".join(lines)}
+    (HERE / "results").mkdir(exist_ok=True)
+    (HERE / "results" / "largest_table.json").write_text(json.dumps(data, indent=1))
+    print(data["markdown"], flush=True)
+    return data
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=ROWS)
+    parser.add_argument("--child")
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.rows)
+    else:
+        run(args.rows)
