@@ -101,27 +101,34 @@ def attempt(library, rows):
     return result
 
 
-def run(rows=ROWS):
-    table_gb = rows * WIDTH * 4 / 2**30
-    print(f"largest table: {rows:,} rows x {WIDTH} ({table_gb:.1f} GiB)", flush=True)
-    results = [attempt(lib, rows) for lib in ("sparseopt", "keras-adam")]
-    total_gb = _status_kb("MemTotal:", path="/proc/meminfo") / 2**20
-    lines = [f"One table of {rows:,} rows x {WIDTH} float32 = {table_gb:.1f} GiB on a machine "
-             f"with {total_gb:.1f} GiB of RAM (JAX, batch {BATCH} x {IDS} ids).", "",
+def render(data):
+    """The result as a markdown paragraph and table."""
+    lines = [f"One table of {data['rows']:,} rows x {WIDTH} float32 = {data['table_gib']:.1f} "
+             f"GiB on a machine with {data['machine_gib']:.1f} GiB of RAM (JAX, batch {BATCH} x "
+             f"{IDS} ids, {STEPS} steps per epoch).", "",
              "| library | outcome | peak RSS GiB | optimizer state GiB | ms/step | loss by epoch |",
              "|---|---|---|---|---|---|"]
-    for r in results:
+    for r in data["results"]:
         trained = next((e for e in r["events"] if e["event"] == "trained"), None)
         if trained:
             lines.append(f"| {r['library']} | {r['outcome']} | {trained['peak_rss_gb']:.1f} | "
                          f"{trained['optimizer_bytes'] / 2**30:.2f} | "
                          f"{trained['ms_per_step']:.2f} | "
-                         f"{' -> '.join(f'{x:.4f}' for x in trained['loss'])} |")
+                         f"{' -> '.join(f'{x:.3g}' for x in trained['loss'])} |")
         else:
             lines.append(f"| {r['library']} | {r['outcome']} | "
                          f"{r['max_rss_gb_sampled']:.1f} (last sample) | | | |")
+    return "\n".join(lines)
+
+
+def run(rows=ROWS):
+    table_gb = rows * WIDTH * 4 / 2**30
+    print(f"largest table: {rows:,} rows x {WIDTH} ({table_gb:.1f} GiB)", flush=True)
+    results = [attempt(lib, rows) for lib in ("sparseopt", "keras-adam")]
+    total_gb = _status_kb("MemTotal:", path="/proc/meminfo") / 2**20
     data = {"rows": rows, "width": WIDTH, "table_gib": table_gb, "machine_gib": total_gb,
-            "results": results, "markdown": "\n".join(lines)}
+            "results": results}
+    data["markdown"] = render(data)
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "results" / "largest_table.json").write_text(json.dumps(data, indent=1))
     print(data["markdown"], flush=True)

@@ -33,7 +33,8 @@ class Case:
         self.table = jnp.full((rows, D), 0.01, jnp.float32)
         self.state = jnp.ones((rows, D), jnp.float32)
         self.space = jnp.zeros((rows,), jnp.int32)
-        (self.uniq, _), _ = _dedup(jnp.zeros((rows,), jnp.int32), self.ids, self.grads, rows)
+        (self.uniq, self.summed), _ = _dedup(jnp.zeros((rows,), jnp.int32), self.ids,
+                                             self.grads, rows)
 
 
 def _dedup(space, ids, grads, rows):
@@ -79,14 +80,14 @@ def pieces(case):
         "dedup, workspace (used)": (lambda s, i, g: _dedup(s, i, g, r)[::-1],
                                     (case.space, case.ids, case.grads), (0,)),
         "dedup, sort + search (before)": (_sort_dedup, (case.ids, case.grads), ()),
-        "gather rows + state (7k)": (
+        "gather rows + state (7k distinct)": (
             lambda t, s, u: (jnp.take(t, u, axis=0, mode="clip")
                              + jnp.take(s, u, axis=0, mode="clip")).sum(0),
             (case.table, case.state, case.uniq), ()),
-        "scatter rows + state (7k)": (
+        "scatter rows + state (7k distinct)": (
             lambda t, s, u, g: (t.at[u].set(g, mode="drop", unique_indices=True),
                                 s.at[u].set(g, mode="drop", unique_indices=True)),
-            (case.table, case.state, case.uniq, case.grads), (0, 1)),
+            (case.table, case.state, case.uniq, case.summed), (0, 1)),
         "whole Adagrad update": (full, (case.table, case.state, case.space, case.ids,
                                         case.grads), (0, 1, 2)),
     }

@@ -12,6 +12,14 @@ STATE_TARGET = {  # optimizer state bytes per table byte (width 32)
     "sparseopt-rowwise_adagrad": 1 / 32, "sparseopt-ftrl": 2.0,
 }
 FW_SHORT = {"jax": "JAX", "tensorflow": "TF", "torch": "torch"}
+PEER_COLORS = {"sparseopt-sgd": "tab:cyan", "sparseopt-adagrad": "tab:blue",
+               "sparseopt-rowwise_adagrad": "tab:green", "sparseopt-ftrl": "tab:olive",
+               "keras-adagrad": "tab:red", "keras-adam": "tab:orange",
+               "fbgemm-adagrad": "tab:purple", "fbgemm-rowwise_adagrad": "tab:pink"}
+RATIO_PAIRS = [("sparseopt-adagrad", "same", "keras-adagrad"),
+               ("sparseopt-adagrad", "same", "keras-adam"),
+               ("sparseopt-adagrad", "torch", "fbgemm-adagrad"),
+               ("sparseopt-rowwise_adagrad", "torch", "fbgemm-rowwise_adagrad")]
 
 
 def _ok(r):
@@ -163,11 +171,8 @@ def markdown(data):
     out += ["", "### Speed-up of sparseopt (same framework) over each peer, by table rows", ""]
     ratio_rows = []
     for fw in ["jax", "tensorflow"]:
-        for ours, peer_fw, theirs in [("sparseopt-adagrad", fw, "keras-adagrad"),
-                                      ("sparseopt-adagrad", fw, "keras-adam"),
-                                      ("sparseopt-adagrad", "torch", "fbgemm-adagrad"),
-                                      ("sparseopt-rowwise_adagrad", "torch",
-                                       "fbgemm-rowwise_adagrad")]:
+        for ours, peer_fw, theirs in RATIO_PAIRS:
+            peer_fw = fw if peer_fw == "same" else peer_fw
             cells = []
             for rows in s["sizes"]:
                 a, b = _find(sweep, fw, ours, rows), _find(sweep, peer_fw, theirs, rows)
@@ -212,14 +217,16 @@ def plots(data, directory, stem):
                 continue
             xs = [r[axis] for r in rs]
             ys = [r[key] for r in rs]
+            # Colour = what trains the table, line = framework.
             style = {"jax": "-", "tensorflow": "--", "torch": ":"}[fw]
             marker = "o" if peer.startswith("sparseopt") else ("s" if "keras" in peer else "^")
+            color = PEER_COLORS.get(peer, "gray")
             if err:
                 yerr = [[r[key] - r["p25_ms"] for r in rs], [r["p75_ms"] - r[key] for r in rs]]
                 ax.errorbar(xs, ys, yerr=yerr, fmt=marker + style, ms=4, capsize=2,
-                            label=_label(rs[0]))
+                            color=color, label=_label(rs[0]))
             else:
-                ax.plot(xs, ys, marker + style, ms=4, label=_label(rs[0]))
+                ax.plot(xs, ys, marker + style, ms=4, color=color, label=_label(rs[0]))
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
@@ -246,6 +253,26 @@ def plots(data, directory, stem):
     ax2.set(xlabel="optimizer state bytes per table byte", title="Optimizer state")
     ax2.tick_params(axis="y", labelsize=7)
     paths.append(_save(fig, directory / f"{stem}_memory.png"))
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    sizes = data["settings"]["sizes"]
+    for fw in ["jax", "tensorflow"]:
+        for ours, peer_fw, theirs in RATIO_PAIRS:
+            peer_fw = fw if peer_fw == "same" else peer_fw
+            pts = [(r, _find(sweep, fw, ours, r), _find(sweep, peer_fw, theirs, r)) for r in sizes]
+            pts = [(r, b["median_ms"] / a["median_ms"]) for r, a, b in pts if a and b]
+            if pts:
+                ax.plot(*zip(*pts), "o" + {"jax": "-", "tensorflow": "--"}[fw], ms=4,
+                        color=PEER_COLORS[theirs],
+                        label=f"{theirs} ({FW_SHORT[peer_fw]}) / {ours} ({FW_SHORT[fw]})")
+    ax.axhline(1.0, color="gray", lw=1)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set(xlabel="table rows", ylabel="peer step time / sparseopt step time",
+           title="Speed-up of sparseopt over each peer (above 1: sparseopt faster)")
+    ax.legend(fontsize=7)
+    paths.append(_save(fig, directory / f"{stem}_ratios.png"))
 
     fig, ax = plt.subplots(figsize=(8, 5))
     lines(ax, data["batch_sweep"], "batch", "examples_per_s")
