@@ -42,6 +42,11 @@ def floor_ms(r, bandwidth_gbs):
     return nbytes / (bandwidth_gbs * 1e9) * 1e3
 
 
+def _min_ratio(a, b):
+    """The same ratio on each configuration's fastest round (quiet moments)."""
+    return a["min_ms"] / b["min_ms"] if "min_ms" in a and "min_ms" in b else None
+
+
 def targets(data):
     """Every target of the issue as (name, measured, goal, met)."""
     out = []
@@ -53,7 +58,8 @@ def targets(data):
         if a and b:
             ratio = b["median_ms"] / a["median_ms"]
             out.append({"target": f"{FW_SHORT[fw]}: Adagrad step at {hi:,} rows / at {lo:,} rows",
-                        "measured": ratio, "goal": "<= 1.2", "met": ratio <= 1.2})
+                        "measured": ratio, "on_minima": _min_ratio(b, a), "goal": "<= 1.2",
+                        "met": ratio <= 1.2})
     # The targets name 2e7 and 4e6 rows; a --quick run reports its own sizes
     # and leaves "met" open.
     full = hi >= 20_000_000
@@ -66,7 +72,8 @@ def targets(data):
         if s and k:
             ratio = k["median_ms"] / s["median_ms"]
             out.append({"target": f"{FW_SHORT[fw]}: plain Keras Adagrad / sparseopt Adagrad "
-                                  f"at {mid:,} rows", "measured": ratio, "goal": ">= 30",
+                                  f"at {mid:,} rows", "measured": ratio,
+                        "on_minima": _min_ratio(k, s), "goal": ">= 30",
                         "met": ratio >= 30 if mid == 4_000_000 else None})
     for fw in ["jax", "tensorflow"]:
         for ours, theirs, goal in [("sparseopt-rowwise_adagrad", "fbgemm-rowwise_adagrad", 1.5),
@@ -75,8 +82,9 @@ def targets(data):
             if s and f:
                 ratio = s["median_ms"] / f["median_ms"]
                 out.append({"target": f"{FW_SHORT[fw]}: {ours} / {theirs} step "
-                                      f"({s['rows']:,} rows)",
-                            "measured": ratio, "goal": f"<= {goal}", "met": ratio <= goal})
+                                      f"({s['rows']:,} rows)", "measured": ratio,
+                            "on_minima": _min_ratio(s, f), "goal": f"<= {goal}",
+                            "met": ratio <= goal})
     for peer, want in STATE_TARGET.items():
         for fw in ["jax", "tensorflow"]:
             r = _find(data["table_sweep"], fw, peer, hi)
@@ -191,10 +199,12 @@ def markdown(data):
     for r in data["flatness"] + data["vs_fbgemm"]:
         if _ok(r):
             out.append(f"| {r['group']} | {_label(r)} | {r['rows']:,} | {_ms(r)} |")
-    out += ["", "### Targets", "", "| target | measured | goal | met |", "|---|---|---|---|"]
+    out += ["", "### Targets (met: on medians)", "",
+            "| target | measured (medians) | on minima | goal | met |", "|---|---|---|---|---|"]
     for t in data["targets"]:
         met = {True: "yes", False: "**no**", None: "n/a (--quick sizes)"}[t["met"]]
-        out.append(f"| {t['target']} | {t['measured']:.4g} | {t['goal']} | {met} |")
+        on_min = f"{t['on_minima']:.4g}" if t.get("on_minima") is not None else ""
+        out.append(f"| {t['target']} | {t['measured']:.4g} | {on_min} | {t['goal']} | {met} |")
     if data.get("largest_table"):
         out += ["", "### Largest table", "", data["largest_table"]["markdown"]]
     return "\n".join(out)

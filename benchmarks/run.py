@@ -148,7 +148,7 @@ def main():
     parser.add_argument("--skip-largest", action="store_true",
                         help="leave out the largest-table demonstration")
     args = parser.parse_args()
-    args.rounds = args.rounds or (3 if args.quick else 5)
+    args.rounds = args.rounds or (3 if args.quick else 7)
     args.budget = args.budget or (0.15 if args.quick else 0.5)
     start = time.time()
 
