@@ -115,8 +115,10 @@ class StepTimer(keras.callbacks.Callback):
         self.times = []
 
 
-def state_bytes(optimizer):
-    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in optimizer.variables)
+def state_bytes(optimizer, scratch=False):
+    """Bytes of the optimizer's state (or of its dedup scratch, on JAX)."""
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in optimizer.variables
+               if ("dedup_workspace" in v.path) == scratch)
 
 
 def time_steps(model, x, y, batch, steps):
@@ -200,6 +202,10 @@ def main():
     if len(rows) == 2:
         print(f"sparseopt step: {rows[1][1] / rows[0][1]:.1f}x faster; optimizer state: "
               f"{rows[1][2] / rows[0][2]:.1f}x smaller (tables: {table_bytes / 2**20:.0f} MB)")
+    scratch = state_bytes(optimizer, scratch=True)
+    if scratch:
+        print(f"(plus {scratch / 2**20:.1f} MB of dedup workspace on JAX: 4 bytes per row, "
+              "scratch, not saved)")
 
 
 if __name__ == "__main__":

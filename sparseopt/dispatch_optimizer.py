@@ -21,6 +21,7 @@ class _Table:
     lookup: object  # sparseopt.ops.SparseLookup
     slots: dict = dataclasses.field(default_factory=dict)  # slot name -> variable
     skipped: object = None  # int32 variable: steps skipped for non-finite gradients
+    workspace: object = None  # int32 [V] dedup scratch (JAX), not saved
 
 
 class _Filled(keras.initializers.Initializer):
@@ -188,14 +189,13 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                     shape=(), dtype="int32", initializer="zeros",
                     name=f"{table.path.replace('/', '_')}_skipped_steps",
                 )
-            self._workspace = None
-            if self._tables and backend.WORKSPACE:
-                # Scratch for the dedup, shared by all tables (they are
-                # updated one after another). Not state: never saved.
-                self._workspace = self.add_variable(
-                    shape=(max(t.lookup.table.shape[0] for t in self._tables.values()),),
-                    dtype="int32", initializer="zeros", name="dedup_workspace",
-                )
+                if backend.WORKSPACE:
+                    # Scratch for the dedup, one per table so that the tables'
+                    # updates stay independent. Not state: never saved.
+                    entry.workspace = self.add_variable(
+                        shape=(table.shape[0],), dtype="int32", initializer="zeros",
+                        name=f"{table.path.replace('/', '_')}_dedup_workspace",
+                    )
         super().build(var_list)
 
     def _check_table(self, var, updater, lookup, owner):
@@ -284,15 +284,15 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         applied = sparse_apply(
             table.updater, lookup.table, table.slots, ids, grads * multiplier,
             table.updater.learning_rate_at(self._iterations), self._iterations + 1,
-            workspace=self._workspace,
+            workspace=table.workspace,
         )
         table.skipped.assign_add(1 - ops.cast(applied, "int32"))
 
     # -- saving: everything but the dedup workspace ---------------------------
 
     def _saved_variables(self):
-        workspace = getattr(self, "_workspace", None)
-        return [v for v in self.variables if v is not workspace]
+        scratch = {id(t.workspace) for t in getattr(self, "_tables", {}).values()}
+        return [v for v in self.variables if id(v) not in scratch]
 
     def save_own_variables(self, store):
         for i, variable in enumerate(self._saved_variables()):

@@ -6,7 +6,7 @@ import pytest
 
 import sparseopt
 from tests.conftest import to_np
-from tests.helpers import batches, dot_loss, numpy_replay, table_model
+from tests.helpers import batches, dot_loss, numpy_replay, optimizer_state, table_model
 
 VOCAB, WIDTH, N_IDS, BATCH, STEPS = 300, 4, 5, 8, 50
 
@@ -29,7 +29,7 @@ CASES = {
 
 def slot_values(optimizer, table_path):
     prefix = table_path.replace("/", "_") + "_"
-    return {v.name[len(prefix):]: to_np(v) for v in optimizer.variables
+    return {v.name[len(prefix):]: to_np(v) for v in optimizer_state(optimizer)
             if v.name.startswith(prefix) and not v.name.endswith("skipped_steps")}
 
 
