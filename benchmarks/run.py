@@ -31,6 +31,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import peers  # noqa: E402
 import report  # noqa: E402
+from children import drive  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
 RESULTS = HERE / "results"
@@ -77,7 +78,7 @@ def plan(slots, budget_gb):
     return groups + ([current] if current else [])
 
 
-def run_group(slots, rounds, budget_s, tag, hugepages=False):
+def run_group(slots, rounds, budget_s, tag):
     """Times `slots` round-robin (one child process per framework); returns results.
 
     A child that dies (e.g. out of memory) is recorded as failed, with the
@@ -88,11 +89,6 @@ def run_group(slots, rounds, budget_s, tag, hugepages=False):
         by_fw.setdefault(slot["framework"], []).append(slot)
     children = {}
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    if hugepages:
-        # glibc >= 2.35: madvise(MADV_HUGEPAGE) on malloc's large mappings,
-        # i.e. on the tables' buffers (transparent huge pages are usually
-        # "madvise"-only). See docs/benchmarks.md.
-        env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
     for fw, fw_slots in by_fw.items():
         env_fw = dict(env, KERAS_BACKEND=fw) if fw != "torch" else env
         cmd = [sys.executable, str(HERE / "peers.py"), fw, json.dumps(fw_slots), str(budget_s)]
@@ -108,19 +104,8 @@ def run_group(slots, rounds, budget_s, tag, hugepages=False):
                   flush=True)
             failed += [dict(s, failed=f"exit {child.returncode}: {err}") for s in by_fw[fw]]
             del children[fw]
-    for _ in range(rounds):
-        for child in children.values():
-            time.sleep(COOLDOWN_S)
-            child.stdin.write("time\n")
-            child.stdin.flush()
-            assert child.stdout.readline().strip() == "ok"
-    results = []
-    for child in children.values():
-        child.stdin.write("result\n")
-        child.stdin.flush()
-        results += json.loads(child.stdout.readline())
-        child.wait()
-    return [dict(r, group=tag, hugepages=hugepages) for r in results] + failed
+    results = [r for out in drive(children.values(), rounds, COOLDOWN_S) for r in out]
+    return [dict(r, group=tag) for r in results] + failed
 
 
 def run_groups(slots, args, tag):

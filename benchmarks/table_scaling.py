@@ -44,6 +44,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from children import drive  # noqa: E402
+
 SIZES = [10_000, 100_000, 1_000_000, 4_000_000, 20_000_000]
 QUICK_SIZES = [10_000, 100_000, 1_000_000]
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -239,18 +242,7 @@ def run_library(args, library, sizes):
         if child.stdout.readline().strip() != "ready":  # build one at a time: less memory
             raise RuntimeError(f"{library} {rows:,} rows failed:\n{child.stderr.read()[-2000:]}")
         children[rows] = child
-    for _ in range(args.repeats):
-        for child in children.values():
-            child.stdin.write("time\n")
-            child.stdin.flush()
-            assert child.stdout.readline().strip() == "ok"
-    results = []
-    for child in children.values():
-        child.stdin.write("result\n")
-        child.stdin.flush()
-        results.append(json.loads(child.stdout.readline()))
-        child.wait()
-    return results
+    return drive(children.values(), args.repeats)
 
 
 def main():
