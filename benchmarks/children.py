@@ -1,4 +1,4 @@
-"""Driving benchmark child processes: interleaved timing rounds, then results.
+"""Driving benchmark child processes, and the memory readings they report.
 
 A child prints `ready` once built, answers each `time` line with `ok` after
 one timing of each of its configurations, and answers `result` with one JSON
@@ -6,6 +6,7 @@ line before exiting.
 """
 
 import json
+import pathlib
 import time
 
 
@@ -32,3 +33,24 @@ def drive(children, rounds, cooldown_s=0.0):
         results.append(json.loads(child.stdout.readline()))
         child.wait()
     return results
+
+
+def memory_mb(key, pid="self", path=None):
+    """A memory figure of `/proc/<pid>/status` (`VmRSS:`, `VmHWM:`) or of
+    `path` (`/proc/meminfo`), in MB; NaN where it cannot be read (the
+    process has exited, or not Linux)."""
+    try:
+        for line in pathlib.Path(path or f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def reset_peak_memory():
+    """Resets this process' peak RSS (`VmHWM`) counter (Linux: write 5 to clear_refs)."""
+    try:
+        pathlib.Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass

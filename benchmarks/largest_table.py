@@ -24,6 +24,8 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from children import memory_mb  # noqa: E402
 ROWS = 2**27
 WIDTH, IDS, BATCH, STEPS = 32, 16, 1024, 200
 
@@ -64,18 +66,7 @@ def child(library, rows):
                 for v in optimizer.variables)
     print(json.dumps({"event": "trained", "ms_per_step": seconds / (3 * STEPS) * 1e3,
                       "loss": history.history["loss"], "optimizer_bytes": state,
-                      "peak_rss_gb": _status_kb("VmHWM:") / 2**20}), flush=True)
-
-
-def _status_kb(key, pid="self", path=None):
-    try:
-        text = pathlib.Path(path or f"/proc/{pid}/status").read_text()
-        for line in text.splitlines():
-            if line.startswith(key):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+                      "peak_rss_gb": memory_mb("VmHWM:") / 1024}), flush=True)
 
 
 def attempt(library, rows):
@@ -83,14 +74,14 @@ def attempt(library, rows):
     env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2")
     proc = subprocess.Popen([sys.executable, __file__, "--child", library, "--rows", str(rows)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak_kb, start = 0, time.time()
+    peak_mb, start = 0.0, time.time()
     while proc.poll() is None:
-        peak_kb = max(peak_kb, _status_kb("VmRSS:", proc.pid))
+        peak_mb = max(peak_mb, memory_mb("VmRSS:", proc.pid))  # max() keeps peak_mb over NaN
         time.sleep(0.05)
     out, err = proc.communicate()
     events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     result = {"library": library, "exit_code": proc.returncode,
-              "seconds": time.time() - start, "max_rss_gb_sampled": peak_kb / 2**20,
+              "seconds": time.time() - start, "max_rss_gb_sampled": peak_mb / 1024,
               "events": events}
     if proc.returncode != 0:
         killed = proc.returncode == -9
@@ -125,7 +116,7 @@ def run(rows=ROWS):
     table_gb = rows * WIDTH * 4 / 2**30
     print(f"largest table: {rows:,} rows x {WIDTH} ({table_gb:.1f} GiB)", flush=True)
     results = [attempt(lib, rows) for lib in ("sparseopt", "keras-adam")]
-    total_gb = _status_kb("MemTotal:", path="/proc/meminfo") / 2**20
+    total_gb = memory_mb("MemTotal:", path="/proc/meminfo") / 1024
     data = {"rows": rows, "width": WIDTH, "table_gib": table_gb, "machine_gib": total_gb,
             "results": results}
     data["markdown"] = render(data)

@@ -22,11 +22,12 @@ round-robin on the parent's `time` commands.
 """
 
 import json
-import pathlib
 import sys
 import time
 
 import numpy as np
+
+from children import memory_mb, reset_peak_memory
 
 WIDTH = 32
 IDS_PER_EXAMPLE = 16
@@ -198,28 +199,14 @@ def build_fbgemm(peer, rows, batch, xs, ys):
 # -- the child process ----------------------------------------------------------
 
 
-def _rss_mb(key):
-    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _reset_peak():
-    try:  # Linux: writing 5 resets this process' VmHWM (peak RSS) counter
-        pathlib.Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
 class Config:
     """One (peer, rows, batch) built in this process, with its timings."""
 
     def __init__(self, framework, slot):
         self.slot = slot
         peer, rows, batch = slot["peer"], slot["rows"], slot["batch"]
-        rss_before = _rss_mb("VmRSS:")
-        _reset_peak()
+        rss_before = memory_mb("VmRSS:")
+        reset_peak_memory()
         xs, ys = make_batches(rows, batch)
         if framework == "torch":
             self.run, self.sync, self.state = build_fbgemm(peer, rows, batch, xs, ys)
@@ -235,11 +222,9 @@ class Config:
         self.run()
         self.sync()
         self.probe_s = max(time.perf_counter() - probe, 1e-5)
-        self.build_peak_mb = _rss_mb("VmHWM:") - rss_before
+        self.build_peak_mb = memory_mb("VmHWM:") - rss_before
         self.distinct = float(np.mean([np.unique(x).size for x in xs]))
         self.step_ms = []
-        self.train_peak_mb = 0.0
-        self.rss_before = rss_before
 
     def time(self, budget_s):
         steps = int(max(3, min(500, budget_s / self.probe_s)))
@@ -284,7 +269,7 @@ def serve(framework, slots, budget_s):
         import keras  # noqa: F401
 
         import sparseopt  # noqa: F401
-    base_mb = _rss_mb("VmRSS:")
+    base_mb = memory_mb("VmRSS:")
     configs = [Config(framework, slot) for slot in slots]
     for config in configs:
         config.base_mb = base_mb

@@ -45,7 +45,7 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from children import drive  # noqa: E402
+from children import drive, memory_mb, reset_peak_memory  # noqa: E402
 
 SIZES = [10_000, 100_000, 1_000_000, 4_000_000, 20_000_000]
 QUICK_SIZES = [10_000, 100_000, 1_000_000]
@@ -105,7 +105,7 @@ def serve(library, rows, width, batch, ids_per_example, distribution, budget_s, 
         return time.perf_counter() - start
 
     fit(2)  # compile
-    _reset_peak_rss()
+    reset_peak_memory()
     probe = fit(3) / 3
     short, long = 2, 2 + max(3, min(200, int(budget_s / max(probe, 1e-4))))
     state_bytes = sum(
@@ -134,7 +134,7 @@ def serve(library, rows, width, batch, ids_per_example, distribution, budget_s, 
             "step_ms": [t * 1e3 for t in times],
             "median_step_ms": float(np.median(times) * 1e3),
             "min_step_ms": float(np.min(times) * 1e3),
-            "train_rss_mb": _peak_rss_mb(),
+            "train_rss_mb": memory_mb("VmHWM:"),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "optimizer_state_mb": state_bytes / 2**20,
             "table_mb": rows * width * 4 / 2**20,
@@ -208,20 +208,6 @@ def _time_calls(fn, budget_s):
         fn()
         calls += 1
     return (time.perf_counter() - start) / calls
-
-
-def _reset_peak_rss():
-    try:  # Linux: writing 5 resets the VmHWM peak counter of this process.
-        pathlib.Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
-def _peak_rss_mb():
-    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def run_library(args, library, sizes):
