@@ -2,9 +2,9 @@
 
 import dataclasses
 import re
-import warnings
 
 import keras
+import numpy as np
 from keras import ops
 
 from sparseopt import backend
@@ -197,6 +197,9 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                         name=f"{table.path.replace('/', '_')}_dedup_workspace",
                     )
         super().build(var_list)
+        pending, self._pending_state = getattr(self, "_pending_state", None), None
+        if pending is not None:
+            self._assign_state(pending)
 
     def _check_table(self, var, updater, lookup, owner):
         if lookup is None:
@@ -290,6 +293,16 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
 
     # -- saving: everything but the dedup workspace ---------------------------
 
+    # Keras' saver walks `dir(optimizer)` and would save each wrapped
+    # optimizer a second time under its own path (and, loading into an
+    # unbuilt one, warn that it skipped it). This optimizer saves their
+    # variables itself, in `save_own_variables`.
+    _WRAPPED = frozenset({"optimizer", "_default_optimizer", "_dense_optimizers",
+                          "_optimizer_map", "_route"})
+
+    def __dir__(self):
+        return [n for n in super().__dir__() if n not in self._WRAPPED]
+
     def _saved_variables(self):
         scratch = {id(t.workspace) for t in getattr(self, "_tables", {}).values()}
         return [v for v in self.variables if id(v) not in scratch]
@@ -299,16 +312,37 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             store[str(i)] = variable.numpy()
 
     def load_own_variables(self, store):
-        saved = self._saved_variables()
-        if len(store.keys()) != len(saved):
-            # Keras' own policy for a mismatch (e.g. an unbuilt optimizer).
-            warnings.warn(
-                f"DispatchOptimizer '{self.name}': skipping optimizer state, the "
-                f"checkpoint holds {len(store.keys())} variables and this "
-                f"optimizer {len(saved)}.", stacklevel=2)
+        """Restores the state saved by `save_own_variables`.
+
+        Loading into an optimizer that is not built yet (`load_weights` right
+        after `compile`) keeps the values and assigns them when it is built,
+        where Keras' optimizers would drop them with a warning. A checkpoint
+        that does not match this optimizer's state is an error, never a
+        partial load.
+        """
+        values = [np.array(store[str(i)]) for i in range(len(store.keys()))]
+        if not self.built:
+            self._pending_state = values
             return
-        for i, variable in enumerate(saved):
-            variable.assign(store[str(i)])
+        self._assign_state(values)
+
+    def _assign_state(self, values):
+        saved = self._saved_variables()
+        mismatch = len(values) != len(saved) or any(
+            tuple(v.shape) != tuple(x.shape) for v, x in zip(saved, values))
+        if mismatch:
+            want = [(v.path, tuple(v.shape)) for v in saved]
+            got = [tuple(x.shape) for x in values]
+            raise ValueError(
+                f"DispatchOptimizer '{self.name}': the checkpoint's optimizer state "
+                f"does not match this optimizer. It holds {len(values)} variables "
+                f"of shapes {got}; this optimizer has {want}. Build the model and "
+                "compile it exactly as when it was saved (same tables, updaters and "
+                "Keras optimizer), or load with `compile=False` / `skip_mismatch` "
+                "to start the optimizer afresh."
+            )
+        for variable, value in zip(saved, values):
+            backend.assign_now(variable, value)
 
     def finalize_variable_values(self, var_list):
         for opt in self._dense_optimizers:

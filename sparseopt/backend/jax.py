@@ -101,6 +101,10 @@ def _distinct_padding(num_rows, n):
     return num_rows + n <= np.iinfo(np.int32).max
 
 
+def assign_now(variable, value):
+    variable.assign(value)  # JAX builds optimizers outside the traced step
+
+
 def read_rows(table, ids):
     """Forward lookup of valid `ids` in a Keras variable (no gradient to it)."""
     return jnp.take(jax.lax.stop_gradient(table.value), ids, axis=0)

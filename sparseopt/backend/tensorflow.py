@@ -53,6 +53,11 @@ def _segment_sum(grads, segments):
     return tf.math.unsorted_segment_sum(grads, segments, tf.shape(grads)[0])
 
 
+def assign_now(variable, value):
+    with tf.init_scope():  # lift out of the train function being traced
+        variable.assign(value)
+
+
 def read_rows(table, ids):
     """Forward lookup of valid `ids` in a Keras variable (no gradient to it).
 

@@ -1,0 +1,117 @@
+"""`BackupAndRestore` whose backups survive a crash in the middle of a backup."""
+
+import json
+import os
+import re
+import shutil
+
+import keras
+
+from sparseopt.saving import fsync_path
+
+_DONE = re.compile(r"^backup-(\d{8})$")
+_WEIGHTS = "model.weights.h5"
+_METADATA = "training_metadata.json"
+
+
+class BackupAndRestore(keras.callbacks.BackupAndRestore):
+    """`keras.callbacks.BackupAndRestore` with crash-safe backups.
+
+    Keras' callback overwrites `latest.weights.h5` in place and then writes the
+    epoch number to a second file. A crash during the weights write leaves no
+    readable backup; a crash between the two writes pairs new weights with the
+    old epoch, so the restarted run trains that epoch twice. Here each backup
+    (weights and epoch together) is written to a fresh directory that is
+    renamed into place only when complete, so a restart always finds the
+    latest complete backup, and a backup never mixes two epochs.
+
+    Restarting `fit` with the same model, compile arguments and data order
+    continues exactly where the last backup was taken: tables, every
+    updater's state, the dense optimizer's state and the step count all come
+    back (see docs/reliability.md).
+
+    Args:
+        backup_dir: local directory for the backups; used by this callback only.
+        save_freq: `"epoch"` (the only exact choice, see below).
+        double_checkpoint: keep the previous backup as well (twice the disk).
+        delete_checkpoint: delete the backups when `fit` completes.
+
+    Keras restores the epoch, not the batch within it, so a mid-epoch backup
+    (integer `save_freq`) would replay that epoch's first batches on weights
+    that already learned from them; it is refused. For more frequent backups
+    make epochs shorter: `fit(dataset.repeat(), steps_per_epoch=N, ...)`.
+    """
+
+    def __init__(self, backup_dir, save_freq="epoch", double_checkpoint=False,
+                 delete_checkpoint=True):
+        if save_freq != "epoch":
+            raise ValueError(
+                f"sparseopt BackupAndRestore: save_freq={save_freq!r} is not "
+                "supported: Keras resumes at the start of the backed-up epoch, so "
+                "batches after a mid-epoch backup would be trained twice. Use "
+                "save_freq='epoch' with shorter epochs, e.g. "
+                "`fit(dataset.repeat(), steps_per_epoch=N)`."
+            )
+        if "://" in str(backup_dir):
+            raise ValueError(
+                f"sparseopt BackupAndRestore: '{backup_dir}' is a remote path; "
+                "crash-safe backups need a local file system (atomic rename)."
+            )
+        super().__init__(backup_dir, save_freq="epoch", double_checkpoint=double_checkpoint,
+                         delete_checkpoint=delete_checkpoint)
+
+    def _backups(self):
+        """Complete backups, oldest first."""
+        if not os.path.isdir(self.backup_dir):
+            return []
+        done = sorted(n for n in os.listdir(self.backup_dir) if _DONE.match(n))
+        return [os.path.join(self.backup_dir, n) for n in done]
+
+    def _load_model(self):
+        if not self.model.built:
+            raise ValueError(
+                "sparseopt BackupAndRestore: build the model before `fit` (call it "
+                "on a batch, or use a functional model) so its backup can be loaded."
+            )
+        self._remove_partial_backups()
+        backups = self._backups()
+        if not backups:
+            return
+        latest = backups[-1]
+        if self.model.optimizer is not None and not self.model.optimizer.built:
+            self.model.optimizer.build(self.model.trainable_variables)
+        self.model.load_weights(os.path.join(latest, _WEIGHTS))
+        with open(os.path.join(latest, _METADATA)) as f:
+            self.model._initial_epoch = json.load(f)["epoch"]
+
+    def _save_model(self):
+        os.makedirs(self.backup_dir, exist_ok=True)
+        backups = self._backups()
+        number = int(_DONE.match(os.path.basename(backups[-1])).group(1)) + 1 if backups else 0
+        final = os.path.join(self.backup_dir, f"backup-{number:08d}")
+        partial = os.path.join(self.backup_dir, f".partial-{number:08d}")
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+        self.model.save_weights(os.path.join(partial, _WEIGHTS))
+        with open(os.path.join(partial, _METADATA), "w") as f:
+            json.dump({"epoch": self._current_epoch}, f)
+        for name in (_WEIGHTS, _METADATA, ""):
+            fsync_path(os.path.join(partial, name))
+        os.rename(partial, final)  # the commit point
+        fsync_path(self.backup_dir)
+        keep = 2 if self.double_checkpoint else 1
+        for old in backups[: max(0, len(backups) + 1 - keep)]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _remove_partial_backups(self):
+        if os.path.isdir(self.backup_dir):
+            for name in os.listdir(self.backup_dir):
+                if name.startswith(".partial-"):
+                    shutil.rmtree(os.path.join(self.backup_dir, name), ignore_errors=True)
+
+    def on_train_begin(self, logs=None):
+        self._load_model()
+
+    def on_train_end(self, logs=None):
+        if self.delete_checkpoint:
+            shutil.rmtree(self.backup_dir, ignore_errors=True)
