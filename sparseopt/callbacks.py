@@ -1,11 +1,13 @@
-"""`BackupAndRestore` whose backups survive a crash in the middle of a backup."""
+"""Callbacks: crash-safe `BackupAndRestore`, and `TableHealth` for refused updates."""
 
 import json
 import os
 import re
 import shutil
+import warnings
 
 import keras
+from keras import ops
 
 from sparseopt.saving import fsync_path
 
@@ -115,3 +117,68 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     def on_train_end(self, logs=None):
         if self.delete_checkpoint:
             shutil.rmtree(self.backup_dir, ignore_errors=True)
+
+
+class TableHealth(keras.callbacks.Callback):
+    """Shows, in `fit`'s logs, the updates the tables refused.
+
+    A step whose gradient for a table is not finite leaves that table and its
+    state untouched; an id outside `[0, rows)` is never written. At the end of
+    each epoch this callback adds to the logs (so `History`, progress bars and
+    TensorBoard show them):
+
+    - `sparse_skipped_steps`: steps a table skipped for non-finite gradients,
+      summed over tables, since training began;
+    - `sparse_dropped_ids`: ids outside `[0, rows)`, summed over tables;
+    - with a `keras.optimizers.LossScaleOptimizer`, which skips such a step
+      for every variable before the tables see it: `loss_scale` and
+      `loss_scale_skipped_steps` (this epoch).
+
+    With `warn=True` it also warns, naming each table whose count grew.
+
+    Args:
+        warn: whether to warn when a count grows.
+    """
+
+    def __init__(self, warn=True):
+        super().__init__()
+        self.warn = warn
+        self._last = {}
+
+    def _dispatch(self):
+        optimizer = getattr(self.model.optimizer, "inner_optimizer", self.model.optimizer)
+        if not hasattr(optimizer, "skipped_steps"):
+            raise ValueError("TableHealth: the model's optimizer is not a "
+                             "sparseopt.DispatchOptimizer.")
+        return optimizer
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._steps = 0
+        self._applied_before = int(ops.convert_to_numpy(self._dispatch().iterations))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._steps = max(self._steps, batch + 1)  # batch: last index run so far
+
+    def on_epoch_end(self, epoch, logs=None):
+        optimizer = self._dispatch()
+        logs = {} if logs is None else logs
+        counts = {"skipped steps (non-finite gradients)": optimizer.skipped_steps(),
+                  "dropped ids (outside [0, rows))": optimizer.dropped_ids()}
+        logs["sparse_skipped_steps"], logs["sparse_dropped_ids"] = (
+            sum(c.values()) for c in counts.values())
+        scaler = self.model.optimizer
+        if isinstance(scaler, keras.optimizers.LossScaleOptimizer):
+            applied = int(ops.convert_to_numpy(optimizer.iterations)) - self._applied_before
+            logs["loss_scale"] = float(ops.convert_to_numpy(scaler.dynamic_scale))
+            logs["loss_scale_skipped_steps"] = self._steps - applied
+            if self.warn and self._steps > applied:
+                warnings.warn(
+                    f"Epoch {epoch + 1}: LossScaleOptimizer skipped {self._steps - applied} "
+                    "steps with non-finite gradients (every variable, tables included); "
+                    f"loss scale now {logs['loss_scale']}.", stacklevel=2)
+        if self.warn:
+            for what, per_table in counts.items():
+                grew = {t: n for t, n in per_table.items() if n > self._last.get((what, t), 0)}
+                if grew:
+                    warnings.warn(f"Epoch {epoch + 1}: {what} so far: {grew}.", stacklevel=2)
+                self._last.update({(what, t): n for t, n in per_table.items()})

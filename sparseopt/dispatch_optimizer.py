@@ -173,6 +173,7 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                 self._route[key] = opt
         if self._tables:
             self._check_dense_options()
+            self._check_replicas()
         for opt in self._dense_optimizers:
             opt.build(dense[id(opt)])
         with keras.name_scope(self.name, caller=self):
@@ -211,6 +212,23 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                 "`sparseopt.ops.SparseLookup(layer, variable)` (as "
                 "sparseopt.layers.SparseEmbedding does), or give it a Keras optimizer."
             )
+        # Both act on the whole table every step: a regularizer's dense
+        # gradient would never reach the updater, a constraint would cost V.
+        if getattr(var, "regularizer", None) is not None:
+            raise ValueError(
+                f"DispatchOptimizer: table '{var.path}' has a regularizer "
+                f"({var.regularizer!r}); its gradient is dense and a sparse updater "
+                "never sees it. Remove it and regularize in the updater instead "
+                "(e.g. `sparseopt.updaters.Ftrl(..., l2_regularization_strength=...)`), "
+                "or regularize only the looked-up rows in the loss."
+            )
+        if getattr(var, "constraint", None) is not None:
+            raise ValueError(
+                f"DispatchOptimizer: table '{var.path}' has a constraint "
+                f"({var.constraint!r}); applying it after each step would touch every "
+                "row. Remove it, or constrain the looked-up rows in the layer's call "
+                "(e.g. normalize them)."
+            )
 
     def _check_dense_options(self):
         for opt in self._dense_optimizers:
@@ -223,6 +241,23 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                     "need table-sized buffers. Remove it and use a larger batch "
                     "(or accumulate in a custom train_step)."
                 )
+
+    def _check_replicas(self):
+        replicas = backend.num_replicas()
+        if replicas > 1:
+            tables = sorted(t.lookup.table.path for t in self._tables.values())
+            raise ValueError(
+                f"DispatchOptimizer: the sparse tables {tables} would be trained on "
+                f"{replicas} replicas (a distribution strategy or keras.distribution "
+                "is active), which sparseopt does not support yet: each replica "
+                "would write its own rows. Train on one device, or drop the "
+                "distribution for now."
+            )
+
+    def dropped_ids(self):
+        """`{table path: ids seen outside [0, rows) so far}` (never written anywhere)."""
+        return {t.lookup.table.path: int(ops.convert_to_numpy(t.lookup.num_dropped_ids.value))
+                for t in self._tables.values()}
 
     def skipped_steps(self):
         """`{table path: number of steps skipped for non-finite gradients}`."""

@@ -10,6 +10,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import keras
 import numpy as np
 
 
@@ -99,6 +100,15 @@ def padding_ids(num_rows, n):
 
 def _distinct_padding(num_rows, n):
     return num_rows + n <= np.iinfo(np.int32).max
+
+
+def has_int64():
+    return bool(jax.config.jax_enable_x64)  # else JAX truncates int64 to int32
+
+
+def num_replicas():
+    distribution = keras.distribution.distribution()
+    return 1 if distribution is None else int(np.prod(distribution.device_mesh.shape))
 
 
 def assign_now(variable, value):

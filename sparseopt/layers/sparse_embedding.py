@@ -9,6 +9,22 @@ from sparseopt.ops.lookup import SparseLookup, check_ids_dtype
 
 COMBINERS = (None, "sum", "mean")
 
+# keras.layers.Embedding options that have no sparse meaning, and the fix.
+_REFUSED = {
+    "embeddings_regularizer": (
+        "a table regularizer has a dense gradient that the sparse updater never "
+        "sees; use the updater's own regularization (e.g. "
+        "`Ftrl(..., l2_regularization_strength=...)`)"),
+    "embeddings_constraint": (
+        "a table constraint would touch every row after each step; constrain the "
+        "looked-up rows in your model instead"),
+    "mask_zero": (
+        "use an id outside [0, input_dim), e.g. -1, for padding: it reads a zero "
+        "row, is left out of combiner='mean' and is never updated"),
+    "lora_rank": "low-rank adapters on a sparsely updated table are not supported",
+    "weights": "assign initial values after building: `layer.embeddings.assign(array)`",
+}
+
 
 @keras.saving.register_keras_serializable(package="sparseopt")
 class SparseEmbedding(keras.layers.Layer):
@@ -36,6 +52,13 @@ class SparseEmbedding(keras.layers.Layer):
 
     def __init__(self, input_dim, output_dim, updater, embeddings_initializer="uniform",
                  combiner=None, **kwargs):
+        for option, fix in _REFUSED.items():
+            if kwargs.pop(option, None) not in (None, False):
+                raise ValueError(
+                    f"SparseEmbedding '{kwargs.get('name', '')}': `{option}` is not "
+                    f"supported: {fix}."
+                )
+        kwargs.pop("sparse", None)  # Embedding(sparse=True): always sparse here
         super().__init__(**kwargs)
         if int(input_dim) <= 0 or int(output_dim) <= 0:
             raise ValueError(

@@ -1,5 +1,7 @@
 """`SparseLookup`: read rows of a table so that they can be updated sparsely."""
 
+import warnings
+
 import keras
 from keras import ops
 
@@ -105,13 +107,28 @@ class SparseLookup:
 
 
 def check_ids_dtype(ids, layer_name, table_path):
-    """Raises a `TypeError` naming the layer unless `ids` has an integer dtype."""
+    """Refuses non-integer ids; warns where int64 ids would be truncated.
+
+    Raises a `TypeError` naming the layer unless `ids` has an integer dtype.
+    Ids declared int64 on JAX without `jax_enable_x64` are converted to int32
+    by JAX itself before any layer runs, so ids >= 2**31 would wrap into
+    range: that gets a warning with the fix.
+    """
     dtype = keras.backend.standardize_dtype(ids.dtype)
     if "int" not in dtype:
         raise TypeError(
             f"Layer '{layer_name}': ids for table '{table_path}' must be integers, "
             f"got dtype {dtype}. Cast them first, e.g. `keras.ops.cast(ids, "
             "'int32')`, or declare the input with `keras.Input(..., dtype='int32')`."
+        )
+    if dtype in ("int64", "uint64", "uint32") and not backend.has_int64():
+        warnings.warn(
+            f"Layer '{layer_name}': ids for table '{table_path}' are declared "
+            f"{dtype}, but JAX runs without 64-bit types and converts them to int32 "
+            "before any layer sees them: ids >= 2**31 would wrap onto other rows. "
+            "Map ids into [0, input_dim) in the input pipeline (e.g. "
+            "keras.layers.Hashing) and declare int32, or set JAX_ENABLE_X64=1.",
+            stacklevel=3,
         )
 
 
