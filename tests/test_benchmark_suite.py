@@ -67,3 +67,30 @@ def test_targets_report_what_is_met_and_what_is_not():
 def test_quick_sizes_leave_size_bound_targets_open():
     quick = report.targets(data([10_000, 1_000_000], 1.1, 1.2))
     assert {t["met"] for t in quick if "rows /" in t["target"] or "plain" in t["target"]} == {None}
+
+
+def test_soak_runs_end_to_end_and_judges_memory(tmp_path):
+    """A short soak run on this backend: samples, the verdict and the plot."""
+    import json
+    import os
+    import subprocess
+
+    import keras
+
+    import soak
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    out = tmp_path / "soak.json"
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "soak.py"), "--backends",
+         keras.backend.backend(), "--steps", "7000", "--rows", "2000", "--out", str(out)],
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"), capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (result,) = json.loads(out.read_text())
+    assert [s["step"] for s in result["samples"]] == list(range(1000, 7001, 1000))
+    assert result["verdict"]["flat"] is True
+    assert result["samples"][-1]["loss"] < result["constant_loss"]
+    assert (tmp_path / "soak.png").exists()
+    growing = {"samples": [{"step": s, "rss_mb": 1000 + s / 100} for s in range(1000, 20001, 1000)]}
+    assert soak.verdict(growing)["flat"] is False  # 100 MB per 10k steps
