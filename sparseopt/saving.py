@@ -18,8 +18,11 @@ def save_model(model, filepath, **kwargs):
     Args:
         model: the Keras model.
         filepath: local path ending in `.keras`.
-        **kwargs: passed on to `model.save` (e.g. `zipped`).
+        **kwargs: passed on to `model.save`.
     """
+    if kwargs.get("zipped", True) is False:
+        raise ValueError("sparseopt.saving.save_model: `zipped=False` writes a directory, "
+                         "which cannot be replaced atomically; save a `.keras` file.")
     with _atomic_file(filepath) as tmp:
         model.save(tmp, **kwargs)
 
@@ -32,6 +35,10 @@ def save_weights(model, filepath, **kwargs):
         filepath: local path ending in `.weights.h5`.
         **kwargs: passed on to `model.save_weights`.
     """
+    if kwargs.get("max_shard_size") is not None:
+        raise ValueError("sparseopt.saving.save_weights: sharded weights are several files, "
+                         "which cannot be replaced atomically together; save one "
+                         "`.weights.h5` file, or write each checkpoint to a new directory.")
     with _atomic_file(filepath) as tmp:
         model.save_weights(tmp, **kwargs)
 

@@ -291,6 +291,12 @@ REFUSED = {
     "backup_every_n_batches": (
         lambda: sparseopt.callbacks.BackupAndRestore("/tmp/x", save_freq=100),
         r"save_freq=100.*trained twice.*steps_per_epoch"),
+    "unzipped_atomic_save": (
+        lambda: sparseopt.saving.save_model(None, "/tmp/m", zipped=False),
+        r"zipped=False.*\.keras"),
+    "sharded_atomic_save": (
+        lambda: sparseopt.saving.save_weights(None, "/tmp/m.weights.json", max_shard_size=1),
+        r"sharded weights.*atomically"),
     "remote_atomic_save": (
         lambda: sparseopt.saving.save_weights(None, "gs://bucket/m.weights.h5"),
         r"remote path.*local file system"),
