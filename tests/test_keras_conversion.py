@@ -1,0 +1,136 @@
+"""Updater <-> Keras optimizer (keras-rs TableConfig.optimizer), both ways.
+
+Each supported pair is checked twice: the hyperparameters survive a round trip
+(also through keras-rs' own TableConfig serialization), and the converted rule
+computes what the Keras optimizer computes on the same gradients.
+"""
+
+import keras
+import keras_rs
+import numpy as np
+import pytest
+
+import sparseopt
+from sparseopt.updaters import from_keras_optimizer, to_keras_optimizer
+from tests.conftest import to_np
+
+SCHEDULE = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
+PAIRS = {
+    "sgd": (lambda: keras.optimizers.SGD(0.3), sparseopt.updaters.SGD),
+    "sgd_schedule": (lambda: keras.optimizers.SGD(SCHEDULE), sparseopt.updaters.SGD),
+    "adagrad": (lambda: keras.optimizers.Adagrad(0.05, initial_accumulator_value=0.3,
+                                                 epsilon=1e-5), sparseopt.updaters.Adagrad),
+    "ftrl": (lambda: keras.optimizers.Ftrl(0.2, learning_rate_power=-0.3,
+                                           initial_accumulator_value=0.4,
+                                           l1_regularization_strength=0.01,
+                                           l2_regularization_strength=0.02, beta=0.5),
+             sparseopt.updaters.Ftrl),
+}
+HYPER = ["learning_rate", "initial_accumulator_value", "epsilon", "learning_rate_power",
+         "l1_regularization_strength", "l2_regularization_strength", "beta"]
+
+
+def hyper(config):
+    out = {k: config[k] for k in HYPER if k in config}
+    if isinstance(out["learning_rate"], dict):  # compare schedules by their config
+        out["learning_rate"] = out["learning_rate"]["config"]
+    if hasattr(out["learning_rate"], "get_config"):
+        out["learning_rate"] = out["learning_rate"].get_config()
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(PAIRS))
+def test_round_trip_keeps_every_hyperparameter(case):
+    make, updater_class = PAIRS[case]
+    optimizer = make()
+    updater = from_keras_optimizer(optimizer)
+    assert type(updater) is updater_class
+    again = to_keras_optimizer(updater)
+    assert type(again) is type(optimizer)
+    assert hyper(again.get_config()) == hyper(optimizer.get_config())
+    assert from_keras_optimizer(again).get_config() == updater.get_config()
+
+
+@pytest.mark.parametrize("case", sorted(PAIRS))
+def test_through_keras_rs_table_config_serialization(case):
+    updater = from_keras_optimizer(PAIRS[case][0]())
+    table = keras_rs.layers.TableConfig(name="t", vocabulary_size=10, embedding_dim=4,
+                                        optimizer=to_keras_optimizer(updater))
+    restored = keras_rs.layers.TableConfig.from_config(table.get_config())
+    assert from_keras_optimizer(restored.optimizer).get_config() == updater.get_config()
+
+
+@pytest.mark.parametrize("case", ["sgd", "adagrad", "ftrl", "sgd_schedule"])
+def test_converted_rule_computes_what_the_keras_optimizer_computes(case):
+    """Every row touched with a nonzero gradient: dense Keras == sparse rule."""
+    optimizer = PAIRS[case][0]()
+    updater = from_keras_optimizer(optimizer)
+    rng = np.random.default_rng(0)
+    w0 = rng.normal(size=(6, 3)).astype("float32")
+    var = keras.Variable(w0)
+    optimizer.build([var])
+    rows = keras.ops.convert_to_tensor(w0)
+    state = {s.name: keras.ops.full(s.shape(w0.shape), s.initial_value) for s in updater.slots}
+    for step in range(4):
+        g = rng.normal(size=w0.shape).astype("float32")
+        lr = updater.learning_rate_at(step)
+        rows, state = updater.update(rows, state, keras.ops.convert_to_tensor(g), lr, step + 1)
+        optimizer.apply([keras.ops.convert_to_tensor(g)], [var])
+    np.testing.assert_allclose(to_np(rows), to_np(var), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name,updater_class", [("sgd", sparseopt.updaters.SGD),
+                                                ("adagrad", sparseopt.updaters.Adagrad),
+                                                ("ftrl", sparseopt.updaters.Ftrl)])
+def test_optimizer_names_convert_with_keras_defaults(name, updater_class):
+    updater = from_keras_optimizer(name)
+    assert type(updater) is updater_class
+    assert hyper(to_keras_optimizer(updater).get_config()) == hyper(
+        keras.optimizers.get(name).get_config())
+
+
+REFUSED_FROM_KERAS = {
+    "adam": (lambda: keras.optimizers.Adam(), r"Adam for table 't'.*SGD, Adagrad or Ftrl"),
+    "adam_by_name": (lambda: "adam", r"Adam.*no sparse, per-row equivalent"),
+    "rmsprop": (lambda: keras.optimizers.RMSprop(), r"RMSprop.*no sparse"),
+    "momentum": (lambda: keras.optimizers.SGD(0.1, momentum=0.9), r"momentum"),
+    "nesterov": (lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True), r"momentum"),
+    "clipnorm": (lambda: keras.optimizers.Adagrad(clipnorm=1.0), r"`clipnorm=1.0`.*clip"),
+    "clipvalue": (lambda: keras.optimizers.SGD(clipvalue=1.0), r"`clipvalue=1.0`"),
+    "global_clipnorm": (lambda: keras.optimizers.Ftrl(global_clipnorm=1.0),
+                        r"`global_clipnorm=1.0`"),
+    "weight_decay": (lambda: keras.optimizers.Adagrad(weight_decay=0.01),
+                     r"`weight_decay=0.01`.*l2_regularization_strength"),
+    "use_ema": (lambda: keras.optimizers.SGD(use_ema=True), r"`use_ema=True`"),
+    "loss_scale_factor": (lambda: keras.optimizers.SGD(loss_scale_factor=8.0),
+                          r"`loss_scale_factor=8.0`.*model's optimizer"),
+    "gradient_accumulation": (lambda: keras.optimizers.Adagrad(gradient_accumulation_steps=2),
+                              r"`gradient_accumulation_steps=2`"),
+    "l2_shrinkage": (lambda: keras.optimizers.Ftrl(l2_shrinkage_regularization_strength=0.1),
+                     r"l2_shrinkage_regularization_strength"),
+    "callable_learning_rate": (lambda: keras.optimizers.SGD(lambda: 0.1),
+                               r"unsupported learning rate"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_FROM_KERAS))
+def test_settings_without_a_sparse_meaning_are_refused(case):
+    make, message = REFUSED_FROM_KERAS[case]
+    with pytest.raises(ValueError, match=message):
+        from_keras_optimizer(make(), table="t")
+
+
+@keras.saving.register_keras_serializable(package="sparseopt_tests")
+class _SignSGD(sparseopt.updaters.SGD):
+    pass
+
+
+@pytest.mark.parametrize("updater,message", [
+    (sparseopt.updaters.RowwiseAdagrad(0.1), r"RowwiseAdagrad has no Keras optimizer"),
+    (_SignSGD(0.1), r"_SignSGD has no Keras optimizer"),
+    (sparseopt.updaters.Ftrl(0.1, multiply_linear_by_learning_rate=True),
+     r"multiply_linear_by_learning_rate=True"),
+])
+def test_updaters_without_a_keras_optimizer_are_refused(updater, message):
+    with pytest.raises(ValueError, match=message):
+        to_keras_optimizer(updater)
