@@ -9,6 +9,7 @@ from keras import ops
 
 from sparseopt import backend
 from sparseopt.declared import declared_updaters
+from sparseopt.keras_rs_tables import default_device_tables, read_sparsely
 from sparseopt.sparse_apply import sparse_apply
 from sparseopt.updaters import Updater
 
@@ -18,7 +19,8 @@ class _Table:
     """What the optimizer keeps per table: its rule, lookup, state and skip count."""
 
     updater: Updater
-    lookup: object  # sparseopt.ops.SparseLookup
+    variable: object  # the table
+    lookup: object  # sparseopt.ops.SparseLookup, or None: gradient arrives as slices (TF)
     slots: dict = dataclasses.field(default_factory=dict)  # slot name -> variable
     skipped: object = None  # int32 variable: steps skipped for non-finite gradients
     workspace: object = None  # int32 [V] dedup scratch (JAX), not saved
@@ -142,6 +144,9 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             return
         var_list = list(var_list)
         declared = declared_updaters(var_list)
+        with backend.outside_trace():  # reads optimizer configs (TF builds in a trace)
+            keras_rs_tables = default_device_tables(var_list)
+        added = {}  # id(table) -> probe made while building (keras-rs tables, JAX)
         self._tables = {}  # var key -> _Table
         self._probes = {}  # var key -> lookup
         dense = {id(opt): [] for opt in self._dense_optimizers}
@@ -156,9 +161,16 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             owner = "optimizer_map"
             if target is None and id(var) in declared:
                 target, owner = declared[id(var)][0], f"layer '{declared[id(var)][1]}'"
+            elif target is None and id(var) in keras_rs_tables:
+                target, owner, _ = keras_rs_tables[id(var)]
             if isinstance(target, Updater):
+                if lookup is None and id(var) in keras_rs_tables:
+                    lookup = self._read_sparsely(var, keras_rs_tables[id(var)][2], added)
+                    if lookup is None:  # TF: the gradient is already sparse
+                        self._tables[key] = _Table(target, var, None)
+                        continue
                 self._check_table(var, target, lookup, owner)
-                self._tables[key] = _Table(target, lookup)
+                self._tables[key] = _Table(target, var, lookup)
             elif lookup is not None:
                 raise ValueError(
                     f"DispatchOptimizer: table '{var.path}' is read by a sparse lookup "
@@ -178,7 +190,7 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             opt.build(dense[id(opt)])
         with keras.name_scope(self.name, caller=self):
             for entry in self._tables.values():
-                table = entry.lookup.table
+                table = entry.variable
                 for spec in entry.updater.slots:
                     entry.slots[spec.name] = self.add_variable(
                         shape=spec.shape(table.shape),
@@ -197,10 +209,27 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                         shape=(table.shape[0],), dtype="int32", initializer="zeros",
                         name=f"{table.path.replace('/', '_')}_dedup_workspace",
                     )
-        super().build(var_list)
+        # Each new probe sits right after its table, where the layer's weights
+        # (table, probe) put it in the model's trainable_variables: stateless
+        # steps (JAX) pair this list with the model's values by position.
+        super().build([w for v in var_list for w in ([v, added[id(v)]] if id(v) in added
+                                                      else [v])])
         pending, self._pending_state = getattr(self, "_pending_state", None), None
         if pending is not None:
             self._assign_state(pending)
+
+    def _read_sparsely(self, var, layer, added):
+        """A keras-rs fallback table: read it sparsely where needed (JAX).
+
+        Returns its `SparseLookup`, or None where the backend's gradient of
+        the dense lookup is already sparse (TF's `IndexedSlices`).
+        """
+        if backend.SPARSE_GRADIENTS:
+            return None
+        lookup = read_sparsely(layer)
+        added[id(var)] = lookup.probe
+        self._probes[self._var_key(lookup.probe)] = lookup
+        return lookup
 
     def _check_table(self, var, updater, lookup, owner):
         if lookup is None:
@@ -233,7 +262,7 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
     def _check_dense_options(self):
         for opt in self._dense_optimizers:
             if opt.gradient_accumulation_steps:
-                tables = sorted(t.lookup.table.path for t in self._tables.values())
+                tables = sorted(t.variable.path for t in self._tables.values())
                 raise ValueError(
                     f"DispatchOptimizer: `gradient_accumulation_steps="
                     f"{opt.gradient_accumulation_steps}` on {opt.name} is not supported "
@@ -245,7 +274,7 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
     def _check_replicas(self):
         replicas = backend.num_replicas()
         if replicas > 1:
-            tables = sorted(t.lookup.table.path for t in self._tables.values())
+            tables = sorted(t.variable.path for t in self._tables.values())
             raise ValueError(
                 f"DispatchOptimizer: the sparse tables {tables} would be trained on "
                 f"{replicas} replicas (a distribution strategy or keras.distribution "
@@ -256,12 +285,12 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
 
     def dropped_ids(self):
         """`{table path: ids seen outside [0, rows) so far}` (never written anywhere)."""
-        return {t.lookup.table.path: int(ops.convert_to_numpy(t.lookup.num_dropped_ids.value))
-                for t in self._tables.values()}
+        return {t.variable.path: int(ops.convert_to_numpy(t.lookup.num_dropped_ids.value))
+                if t.lookup is not None else 0 for t in self._tables.values()}
 
     def skipped_steps(self):
         """`{table path: number of steps skipped for non-finite gradients}`."""
-        return {t.lookup.table.path: int(ops.convert_to_numpy(t.skipped.value))
+        return {t.variable.path: int(ops.convert_to_numpy(t.skipped.value))
                 for t in self._tables.values()}
 
     # -- applying -----------------------------------------------------------
@@ -282,11 +311,13 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         self._check_variables_are_known(trainable_variables)
 
         by_opt = {id(opt): ([], []) for opt in self._dense_optimizers}
-        probe_grads = {}
+        probe_grads, sliced_grads = {}, {}
         for grad, var in zip(grads, trainable_variables):
             key = self._var_key(var)
             if key in self._probes:
                 probe_grads[id(self._probes[key])] = grad
+            elif key in self._tables:
+                sliced_grads[key] = grad
             elif key in self._route and grad is not None:
                 gs, vs = by_opt[id(self._route[key])]
                 gs.append(grad)
@@ -296,8 +327,11 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             if gs:
                 opt.apply(gs, vs)
         with keras.name_scope(self.name, caller=self):
-            for table in self._tables.values():
-                self._apply_table(table, probe_grads.get(id(table.lookup)))
+            for key, table in self._tables.items():
+                if table.lookup is None:
+                    self._apply_sliced(table, sliced_grads.get(key))
+                else:
+                    self._apply_table(table, probe_grads.get(id(table.lookup)))
         self._iterations.assign_add(1)
 
     def _apply_table(self, table, probe_grad):
@@ -321,6 +355,31 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         grads = ops.concatenate([ops.cast(r[1], "float32") for r in records], axis=0)
         applied = sparse_apply(
             table.updater, lookup.table, table.slots, ids, grads * multiplier,
+            table.updater.learning_rate_at(self._iterations), self._iterations + 1,
+            workspace=table.workspace,
+        )
+        table.skipped.assign_add(1 - ops.cast(applied, "int32"))
+
+    def _apply_sliced(self, table, grad):
+        """A table whose gradient arrives as slices: `(ids, row gradients)` (TF)."""
+        if grad is None:
+            return
+        sliced = backend.gradient_slices(grad)
+        if sliced is None:
+            raise ValueError(
+                f"DispatchOptimizer: table '{table.variable.path}' received a dense "
+                "gradient; something before the optimizer (e.g. LossScaleOptimizer's "
+                "finiteness check, or clipping in a custom train_step) densified it, "
+                "which costs the whole table every step. Use "
+                "`DispatchOptimizer(..., loss_scale_factor=...)` for loss scaling and "
+                "pass the tape's gradients to the optimizer unchanged."
+            )
+        ids, grads = sliced
+        grads = ops.cast(grads, "float32")
+        if self.loss_scale_factor is not None:
+            grads = grads / self.loss_scale_factor
+        applied = sparse_apply(
+            table.updater, table.variable, table.slots, ids, grads,
             table.updater.learning_rate_at(self._iterations), self._iterations + 1,
             workspace=table.workspace,
         )

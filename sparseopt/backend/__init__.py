@@ -13,9 +13,12 @@ Each backend module provides:
   touched rows in place.
 - `fill_in_blocks(make_block, shape, dtype, block_rows)`: a large array
   built block by block in place (`None` where the backend cannot).
-- `assign_now(variable, value)`: assign outside any trace, even when called
-  while a train step is being traced (TF builds optimizers there).
+- `assign_now(variable, value)` / `outside_trace()`: assign, or run a block,
+  outside any trace, even while a train step is being traced (TF builds
+  optimizers there).
 - `has_int64()`: whether int64 arrays exist (JAX: only with `jax_enable_x64`).
+- `SPARSE_GRADIENTS` / `gradient_slices(grad)`: whether the gradient of a
+  plain (Keras `Embedding`) lookup is sparse, and its `(ids, row_grads)`.
 - `num_replicas()`: how many devices a distribution would train on.
 - `fused_apply(updater, table, slots, ids, grads, lr, finite)`: apply the
   updater with the backend's own kernel if one computes exactly its rule
@@ -26,12 +29,12 @@ import keras
 
 if keras.backend.backend() == "jax":
     from sparseopt.backend.jax import (  # noqa: F401
-        WORKSPACE, assign_now, dedup, fill_in_blocks, fused_apply, gather, has_int64,
-        num_replicas, read_rows, scatter, tap)
+        SPARSE_GRADIENTS, WORKSPACE, assign_now, dedup, fill_in_blocks, fused_apply, gather,
+        gradient_slices, has_int64, num_replicas, outside_trace, read_rows, scatter, tap)
 elif keras.backend.backend() == "tensorflow":
     from sparseopt.backend.tensorflow import (  # noqa: F401
-        WORKSPACE, assign_now, dedup, fill_in_blocks, fused_apply, gather, has_int64,
-        num_replicas, read_rows, scatter, tap)
+        SPARSE_GRADIENTS, WORKSPACE, assign_now, dedup, fill_in_blocks, fused_apply, gather,
+        gradient_slices, has_int64, num_replicas, outside_trace, read_rows, scatter, tap)
 else:
     raise ImportError(
         f"sparseopt supports the 'jax' and 'tensorflow' Keras backends; the "

@@ -6,6 +6,7 @@ in the same trace. Under Keras' jitted, state-donating train step the scatter
 below updates the donated table buffer in place.
 """
 
+import contextlib
 import functools
 
 import jax
@@ -102,6 +103,14 @@ def _distinct_padding(num_rows, n):
     return num_rows + n <= np.iinfo(np.int32).max
 
 
+# jax.grad of a gather is a dense array: tables are read through the tap.
+SPARSE_GRADIENTS = False
+
+
+def gradient_slices(grad):
+    return None
+
+
 def has_int64():
     return bool(jax.config.jax_enable_x64)  # else JAX truncates int64 to int32
 
@@ -109,6 +118,10 @@ def has_int64():
 def num_replicas():
     distribution = keras.distribution.distribution()
     return 1 if distribution is None else int(np.prod(distribution.device_mesh.shape))
+
+
+def outside_trace():
+    return contextlib.nullcontext()  # JAX builds optimizers outside the traced step
 
 
 def assign_now(variable, value):

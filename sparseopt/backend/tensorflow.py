@@ -58,12 +58,27 @@ def _segment_sum(grads, segments):
     return tf.math.unsorted_segment_sum(grads, segments, tf.shape(grads)[0])
 
 
+# The gradient of a gather is `tf.IndexedSlices`: ids and row gradients.
+SPARSE_GRADIENTS = True
+
+
+def gradient_slices(grad):
+    """`(ids, row_grads)` of a sparse gradient, or None for a dense one."""
+    if isinstance(grad, tf.IndexedSlices):
+        return grad.indices, grad.values
+    return None
+
+
 def has_int64():
     return True
 
 
 def num_replicas():
     return tf.distribute.get_strategy().num_replicas_in_sync
+
+
+def outside_trace():
+    return tf.init_scope()
 
 
 def assign_now(variable, value):

@@ -1,0 +1,110 @@
+"""Tables of keras-rs `DistributedEmbedding` placed on the default device (CPU/GPU).
+
+There, keras-rs falls back to one `EmbedReduce` layer (a `keras.layers.Embedding`)
+per table and leaves `TableConfig.optimizer` unused: the model's optimizer
+trains the tables densely. `DispatchOptimizer` finds these tables when it is
+built and trains each with the sparseopt updater converted from its
+`TableConfig.optimizer`:
+
+- On JAX the table's gradient would be a dense `[V, D]` array, so the
+  `EmbedReduce` is switched to read its rows through a `SparseLookup` before
+  the train step is traced (Keras builds the optimizer first on JAX).
+- On TensorFlow the gradient of the lookup is already sparse
+  (`tf.IndexedSlices`: ids and row gradients), and Keras builds the optimizer
+  inside the traced step, after the forward pass; the optimizer applies the
+  updater to those slices directly.
+
+This reads two attributes of keras-rs' layer (`_placement_to_path_to_feature_config`,
+`_default_device_embedding_layers`); the keras-rs version is pinned to 0.4.x.
+"""
+
+import gc
+
+import keras
+
+from sparseopt.ops.lookup import SparseLookup
+from sparseopt.updaters.keras_conversion import from_keras_optimizer
+
+
+def default_device_tables(variables):
+    """`{id(table variable): (updater, owner, embedding layer)}` among `variables`.
+
+    Args:
+        variables: the variables an optimizer is being built for.
+    """
+    try:
+        import keras_rs
+    except ImportError:
+        return {}
+    wanted = {id(v) for v in variables}
+    found = {}
+    for obj in gc.get_objects():
+        if not (isinstance(obj, keras_rs.layers.DistributedEmbedding) and obj.built):
+            continue
+        configs = obj._placement_to_path_to_feature_config.get("default_device", {})
+        for path, feature in configs.items():
+            layer = obj._default_device_embedding_layers[path]
+            var = layer.embeddings
+            if id(var) in wanted and id(var) not in found:
+                table = feature.table.name
+                found[id(var)] = (
+                    from_keras_optimizer(feature.table.optimizer, table=table),
+                    f"keras_rs DistributedEmbedding '{obj.name}' (TableConfig '{table}')",
+                    layer,
+                )
+    return found
+
+
+def read_sparsely(layer):
+    """Makes an `EmbedReduce` read its table through a `SparseLookup`.
+
+    keras-rs' `EmbedReduce.call` gets its rows from `super().call(ids)`
+    (Keras' dense `take`) and then applies its weights and combiner. Giving
+    the layer a class whose next method in that chain reads through the
+    lookup keeps keras-rs' own weighting and combiners unchanged.
+
+    Args:
+        layer: the built `EmbedReduce` (a `keras.layers.Embedding`).
+
+    Returns:
+        The `SparseLookup`.
+    """
+    lookup = getattr(layer, "_sparseopt_table_lookup", None)
+    if lookup is None:
+        # The layer is built, and Keras locks built layers' state; the
+        # lookup adds its two small weights (probe, dropped-id count).
+        layer._tracker.unlock()
+        try:
+            lookup = SparseLookup(layer, layer.embeddings)
+        finally:
+            layer._lock_state()
+        layer._sparseopt_table_lookup = lookup
+        layer.__class__ = _sparse_class(type(layer))
+    return lookup
+
+
+class _SparseTake(keras.layers.Embedding):
+    def call(self, inputs):
+        return self._sparseopt_table_lookup(inputs)
+
+    def load_own_variables(self, store):
+        # `Embedding.save_own_variables` writes the table only, so checkpoints
+        # match keras-rs' own; the lookup's probe and dropped-id count are not
+        # state. Embedding's load would count them and refuse.
+        if len(store.keys()) != 1:
+            raise ValueError(
+                f"Layer '{self.name}': expected a checkpoint holding its table only, "
+                f"got {len(store.keys())} variables."
+            )
+        self._embeddings.assign(store["0"])
+
+
+_CLASSES = {}
+
+
+def _sparse_class(cls):
+    if cls not in _CLASSES:
+        # MRO: Sparse<cls>, cls, _SparseTake, Embedding: cls's super().call
+        # reaches _SparseTake.call.
+        _CLASSES[cls] = type(f"Sparse{cls.__name__}", (cls, _SparseTake), {})
+    return _CLASSES[cls]
