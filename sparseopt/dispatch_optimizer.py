@@ -9,7 +9,7 @@ from keras import ops
 
 from sparseopt import backend
 from sparseopt.declared import declared_updaters
-from sparseopt.keras_rs_tables import default_device_tables, read_sparsely
+from sparseopt.keras_rs_tables import default_device_tables, read_by_gather, read_sparsely
 from sparseopt.sparse_apply import sparse_apply
 from sparseopt.updaters import Updater
 
@@ -225,6 +225,10 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         the dense lookup is already sparse (TF's `IndexedSlices`).
         """
         if backend.SPARSE_GRADIENTS:
+            # TF builds the optimizer while tracing the first step, after its
+            # forward pass; creating variables there makes tf.function trace
+            # the step again, and that trace reads sparsely.
+            read_by_gather(layer)
             return None
         lookup = read_sparsely(layer)
         added[id(var)] = lookup.probe

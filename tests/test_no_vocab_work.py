@@ -43,8 +43,8 @@ def vocab_sized_work(model, data):
         return mem.temp_size_in_bytes, mem.output_size_in_bytes - mem.alias_size_in_bytes
     import tensorflow as tf
     model.train_on_batch(*data)
-    fn = tf.function(model.train_step).get_concrete_function(
-        (tf.TensorSpec((None, N_IDS), tf.int32), tf.TensorSpec((None, 1), tf.float32)))
+    fn = tf.function(model.train_step).get_concrete_function(tf.nest.map_structure(
+        lambda a: tf.TensorSpec((None,) + a.shape[1:], a.dtype), data))
     found = set()
 
     def walk(graph):
@@ -86,6 +86,21 @@ def test_sparse_step_under_loss_scaling_does_no_vocab_work():
         sparseopt.DispatchOptimizer(keras.optimizers.Adam(global_clipnorm=1.0)))
     model, data = make_model(opt)
     assert_no_vocab_work(vocab_sized_work(model, data))
+
+
+def test_keras_rs_fallback_table_step_does_no_vocab_work():
+    import keras_rs
+
+    table = keras_rs.layers.TableConfig(name="t", vocabulary_size=V, embedding_dim=D,
+                                        optimizer=keras.optimizers.Adagrad(0.1))
+    feature = keras_rs.layers.FeatureConfig(name="f", table=table, input_shape=(128, N_IDS),
+                                            output_shape=(128, D))
+    ids = keras.Input((N_IDS,), dtype="int32", name="f")
+    out = keras_rs.layers.DistributedEmbedding({"f": feature})({"f": ids})["f"]
+    model = keras.Model({"f": ids}, keras.layers.Dense(1)(out))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam()), loss="mse")
+    x = np.random.default_rng(0).integers(0, V, (128, N_IDS)).astype("int32")
+    assert_no_vocab_work(vocab_sized_work(model, ({"f": x}, np.ones((128, 1), "float32"))))
 
 
 @pytest.mark.parametrize("layer", ["sparse_embedding", "user_table"])

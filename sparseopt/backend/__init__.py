@@ -17,8 +17,9 @@ Each backend module provides:
   outside any trace, even while a train step is being traced (TF builds
   optimizers there).
 - `has_int64()`: whether int64 arrays exist (JAX: only with `jax_enable_x64`).
-- `SPARSE_GRADIENTS` / `gradient_slices(grad)`: whether the gradient of a
-  plain (Keras `Embedding`) lookup is sparse, and its `(ids, row_grads)`.
+- `SPARSE_GRADIENTS` / `gradient_slices(grad)` / `gather_from_resource(var,
+  ids)`: whether a gather's gradient is sparse (TF), its `(ids, row_grads)`,
+  and such a gather (`None` on JAX).
 - `num_replicas()`: how many devices a distribution would train on.
 - `fused_apply(updater, table, slots, ids, grads, lr, finite)`: apply the
   updater with the backend's own kernel if one computes exactly its rule
@@ -30,11 +31,13 @@ import keras
 if keras.backend.backend() == "jax":
     from sparseopt.backend.jax import (  # noqa: F401
         SPARSE_GRADIENTS, WORKSPACE, assign_now, dedup, fill_in_blocks, fused_apply, gather,
-        gradient_slices, has_int64, num_replicas, outside_trace, read_rows, scatter, tap)
+        gather_from_resource, gradient_slices, has_int64, num_replicas, outside_trace,
+        read_rows, scatter, tap)
 elif keras.backend.backend() == "tensorflow":
     from sparseopt.backend.tensorflow import (  # noqa: F401
         SPARSE_GRADIENTS, WORKSPACE, assign_now, dedup, fill_in_blocks, fused_apply, gather,
-        gradient_slices, has_int64, num_replicas, outside_trace, read_rows, scatter, tap)
+        gather_from_resource, gradient_slices, has_int64, num_replicas, outside_trace,
+        read_rows, scatter, tap)
 else:
     raise ImportError(
         f"sparseopt supports the 'jax' and 'tensorflow' Keras backends; the "

@@ -133,6 +133,9 @@ def read_rows(table, ids):
     return jnp.take(jax.lax.stop_gradient(table.value), ids, axis=0)
 
 
+gather_from_resource = None  # JAX reads tables through the tap (SparseLookup)
+
+
 def gather(value, ids):
     return jnp.take(value, ids, axis=0, mode="clip")
 

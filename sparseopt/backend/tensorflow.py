@@ -96,6 +96,11 @@ def read_rows(table, ids):
     return tf.stop_gradient(tf.gather(table.value, ids))
 
 
+def gather_from_resource(variable, ids):
+    """Rows of a Keras variable by `ResourceGather`; the gradient is `IndexedSlices`."""
+    return tf.gather(variable.value, ids)
+
+
 def gather(value, ids):
     return tf.gather(value, ids)
 
