@@ -1,6 +1,7 @@
 """`DispatchOptimizer`: dense variables to a Keras optimizer, tables to updaters."""
 
 import dataclasses
+import gc
 import re
 
 import keras
@@ -38,6 +39,12 @@ class _Filled(keras.initializers.Initializer):
 
     def __call__(self, shape, dtype=None):
         return ops.full(shape, self.value, dtype=dtype)
+
+
+def _wrapped_by_loss_scaling(optimizer):
+    """Whether a live `LossScaleOptimizer` wraps `optimizer` (it cannot tell us)."""
+    return any(isinstance(o, keras.optimizers.LossScaleOptimizer)
+               and o.inner_optimizer is optimizer for o in gc.get_objects())
 
 
 @keras.saving.register_keras_serializable(package="sparseopt")
@@ -151,11 +158,17 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         self._probes = {}  # var key -> lookup
         dense = {id(opt): [] for opt in self._dense_optimizers}
         self._route = {}
+        self._installed = {}  # var key -> variable whose "gradient" is its new value
         for var in var_list:
             key = self._var_key(var)
             lookup = getattr(var, "_sparseopt_lookup", None)
             if getattr(var, "_sparseopt_probe_of", None) is not None:
                 self._probes[key] = var._sparseopt_probe_of
+                continue
+            if getattr(var, "overwrite_with_gradient", False):
+                # keras-rs SparseCore tables, slots and step counter: their
+                # lookup's backward pass computes the new values.
+                self._installed[key] = var
                 continue
             target = self._lookup_map(var.path)
             owner = "optimizer_map"
@@ -186,6 +199,8 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         if self._tables:
             self._check_dense_options()
             self._check_replicas()
+        if self._installed:
+            self._check_install_options()
         for opt in self._dense_optimizers:
             opt.build(dense[id(opt)])
         with keras.name_scope(self.name, caller=self):
@@ -275,6 +290,29 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                     "(or accumulate in a custom train_step)."
                 )
 
+    def _check_install_options(self):
+        names = sorted(v.path for v in self._installed.values())
+        shown = names[:4] + (["..."] if len(names) > 4 else [])
+        scaled = self.loss_scale_factor is not None or _wrapped_by_loss_scaling(self)
+        if scaled:
+            raise ValueError(
+                f"DispatchOptimizer: loss scaling is not supported with keras-rs "
+                f"SparseCore tables {shown}: their lookup's backward pass computes "
+                "the updated tables from the scaled gradient, so every table update "
+                "would be scaled too. Remove `loss_scale_factor` / the "
+                "LossScaleOptimizer (SparseCore tables are float32), or place these "
+                "tables with `placement='default_device'`."
+            )
+        for opt in self._dense_optimizers:
+            if opt.gradient_accumulation_steps:
+                raise ValueError(
+                    f"DispatchOptimizer: `gradient_accumulation_steps="
+                    f"{opt.gradient_accumulation_steps}` is not supported with keras-rs "
+                    f"SparseCore tables {shown}: each step's backward pass already "
+                    "applies the table update; accumulating would mix tables. Remove "
+                    "it and use a larger batch."
+                )
+
     def _check_replicas(self):
         replicas = backend.num_replicas()
         if replicas > 1:
@@ -322,6 +360,9 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                 probe_grads[id(self._probes[key])] = grad
             elif key in self._tables:
                 sliced_grads[key] = grad
+            elif key in self._installed and grad is not None:
+                # Install only: no scaling, clipping, decay or accumulation.
+                self._installed[key].assign(grad)
             elif key in self._route and grad is not None:
                 gs, vs = by_opt[id(self._route[key])]
                 gs.append(grad)

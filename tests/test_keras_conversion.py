@@ -134,3 +134,43 @@ class _SignSGD(sparseopt.updaters.SGD):
 def test_updaters_without_a_keras_optimizer_are_refused(updater, message):
     with pytest.raises(ValueError, match=message):
         to_keras_optimizer(updater)
+
+
+SPEC_FIELDS = {
+    "SGD": [],
+    "Adagrad": ["initial_accumulator_value"],
+    "Ftrl": ["learning_rate_power", "l1_regularization_strength",
+             "l2_regularization_strength", "beta", "initial_accumulator_value"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(PAIRS))
+def test_sparsecore_spec_via_keras_rs_own_conversion_keeps_hyperparameters(case):
+    pytest.importorskip("jax_tpu_embedding", reason="SparseCore specs: Linux x86-64 only")
+    from sparseopt.updaters import from_sparsecore_spec, to_sparsecore_spec
+
+    optimizer = PAIRS[case][0]()
+    if isinstance(optimizer, keras.optimizers.Adagrad):
+        optimizer = keras.optimizers.Adagrad(0.05, initial_accumulator_value=0.3)  # eps 1e-7
+    updater = from_keras_optimizer(optimizer)
+    spec = to_sparsecore_spec(updater)
+    assert type(spec).__name__.upper().startswith(type(updater).__name__.upper())
+    for field in SPEC_FIELDS[type(updater).__name__]:
+        assert getattr(spec, field) == pytest.approx(getattr(updater, field), rel=1e-7)
+    for step in [0, 7, 30]:  # a float, or keras-rs' callable for a schedule
+        rate = spec.learning_rate(step) if callable(spec.learning_rate) else spec.learning_rate
+        assert float(rate) == pytest.approx(float(updater.learning_rate_at(step)), rel=1e-6)
+    again = from_sparsecore_spec(spec)
+    assert type(again) is type(updater)
+    assert {k: v for k, v in again.get_config().items() if k != "learning_rate"} == {
+        k: v for k, v in updater.get_config().items() if k != "learning_rate"}
+
+
+@pytest.mark.parametrize("updater,message", [
+    (sparseopt.updaters.Adagrad(0.1, epsilon=1e-5), r"epsilon"),
+    (sparseopt.updaters.RowwiseAdagrad(0.1), r"RowwiseAdagrad has no Keras optimizer"),
+])
+def test_settings_sparsecore_cannot_honour_are_refused(updater, message):
+    pytest.importorskip("jax_tpu_embedding", reason="SparseCore specs: Linux x86-64 only")
+    with pytest.raises(ValueError, match=message):
+        sparseopt.updaters.to_sparsecore_spec(updater)

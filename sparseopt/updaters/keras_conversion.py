@@ -134,3 +134,47 @@ def _learning_rate(value, where):
             return schedule
     raise ValueError(f"sparseopt: unsupported learning rate {value!r}{where}; use a float "
                      "or a keras.optimizers.schedules.LearningRateSchedule.")
+
+
+def to_sparsecore_spec(updater):
+    """The jax-tpu-embedding optimizer spec (SparseCore) with `updater`'s rule.
+
+    Converts through `to_keras_optimizer` and then keras-rs' own
+    `keras_to_jte_optimizer`, so the spec is exactly what keras-rs would build
+    from that `TableConfig.optimizer`.
+
+    Args:
+        updater: a `sparseopt.updaters.SGD`, `Adagrad` (with the default
+            `epsilon=1e-7`: SparseCore's Adagrad has none) or `Ftrl`.
+
+    Returns:
+        A `jax_tpu_embedding` `OptimizerSpec`.
+
+    Raises:
+        ImportError: where jax-tpu-embedding is not installed.
+        ValueError: for settings SparseCore does not support.
+    """
+    return _jte_conversion().keras_to_jte_optimizer(to_keras_optimizer(updater))
+
+
+def from_sparsecore_spec(spec):
+    """The sparseopt updater with a jax-tpu-embedding optimizer spec's rule.
+
+    Args:
+        spec: a `jax_tpu_embedding` SGD, Adagrad or FTRL `OptimizerSpec`.
+
+    Returns:
+        A `sparseopt.updaters.SGD`, `Adagrad` or `Ftrl`.
+    """
+    return from_keras_optimizer(_jte_conversion().jte_to_keras_optimizer(spec))
+
+
+def _jte_conversion():
+    try:
+        from keras_rs.src.layers.embedding.jax import config_conversion
+    except ImportError as e:
+        raise ImportError(
+            "sparseopt: SparseCore optimizer specs need keras-rs and jax-tpu-embedding "
+            "(`pip install 'sparseopt[keras-rs,sparsecore]'`, Linux x86-64)."
+        ) from e
+    return config_conversion
