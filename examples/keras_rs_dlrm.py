@@ -75,11 +75,13 @@ def main():
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--scale", type=float, default=1.0, help="multiplies table sizes")
     parser.add_argument("--compare-steps", type=int, default=20)
     args = parser.parse_args()
     keras.utils.set_random_seed(0)
+    sizes = [max(4, int(s * args.scale)) for s in TABLE_SIZES]
     val_n = 50_000
-    x, y, prob = synthetic_clicks(args.examples + val_n, TABLE_SIZES)
+    x, y, prob = synthetic_clicks(args.examples + val_n, sizes)
     x = as_features(x)
     train_x = {k: v[:args.examples] for k, v in x.items()}
     val_x = {k: v[args.examples:] for k, v in x.items()}
@@ -88,7 +90,7 @@ def main():
     print(f"keras-rs {keras_rs.__version__} DistributedEmbedding + sparseopt "
           f"{sparseopt.__version__} ({keras.backend.backend()} backend, CPU: tables on "
           "the default device)")
-    model = build(TABLE_SIZES, args.width, args.batch)
+    model = build(sizes, args.width, args.batch)
     optimizer = sparseopt.DispatchOptimizer(keras.optimizers.Adam(1e-3))
     model.compile(optimizer=optimizer, loss="binary_crossentropy",
                   metrics=[keras.metrics.AUC(name="auc")])
@@ -96,7 +98,7 @@ def main():
     kinds = {}
     for table in optimizer._tables.values():
         kinds.setdefault(repr(table.updater), []).append(table.variable.shape[0])
-    print(f"{len(TABLE_SIZES)} tables, {sum(TABLE_SIZES):,} rows x {args.width}, each "
+    print(f"{len(sizes)} tables, {sum(sizes):,} rows x {args.width}, each "
           "trained by its TableConfig.optimizer:")
     for kind, rows in kinds.items():
         print(f"  {len(rows):2d} tables, {sum(rows):>9,} rows: {kind}")
@@ -119,16 +121,16 @@ def main():
           f"non-finite gradients: {sum(optimizer.skipped_steps().values())}")
 
     adam_table_slots = [v for v in optimizer.optimizer.variables
-                        if len(v.shape) == 2 and v.shape[0] in TABLE_SIZES and v.shape[0] > 64]
+                        if len(v.shape) == 2 and v.shape[0] in sizes and v.shape[0] > 64]
     print(f"Adam variables shaped like a table: {len(adam_table_slots)}")
     if args.compare_steps:
         keras.utils.set_random_seed(0)
-        plain = build(TABLE_SIZES, args.width, args.batch)
+        plain = build(sizes, args.width, args.batch)
         plain_opt = keras.optimizers.Adam(1e-3)
         plain.compile(optimizer=plain_opt, loss="binary_crossentropy")
         plain_ms = time_steps(plain, train_x, train_y, args.batch, args.compare_steps)
         sparse_ms = float(np.median(step_times)) * 1e3
-        table_bytes = sum(TABLE_SIZES) * args.width * 4
+        table_bytes = sum(sizes) * args.width * 4
         print("\n== the same keras-rs model, compiled two ways ==")
         print(f"{'':48s} {'ms/step':>8s} {'optimizer state':>16s}")
         for name, ms, opt in [("DispatchOptimizer(Adam): per-table optimizers", sparse_ms,
