@@ -149,7 +149,7 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
     def build(self, var_list):
         if self.built:
             return
-        var_list = list(var_list)
+        given, var_list = var_list, list(var_list)
         declared = declared_updaters(var_list)
         with backend.outside_trace():  # reads optimizer configs (TF builds in a trace)
             keras_rs_tables = default_device_tables(var_list)
@@ -227,8 +227,12 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         # Each new probe sits right after its table, where the layer's weights
         # (table, probe) put it in the model's trainable_variables: stateless
         # steps (JAX) pair this list with the model's values by position.
-        super().build([w for v in var_list for w in ([v, added[id(v)]] if id(v) in added
-                                                      else [v])])
+        ordered = [w for v in var_list for w in ([v, added[id(v)]] if id(v) in added else [v])]
+        if added and isinstance(given, list):
+            # A wrapping LossScaleOptimizer builds itself from this same list
+            # right after us, and pairs its gradients with it by position too.
+            given[:] = ordered
+        super().build(ordered)
         pending, self._pending_state = getattr(self, "_pending_state", None), None
         if pending is not None:
             self._assign_state(pending)

@@ -148,3 +148,26 @@ def test_a_saved_keras_rs_model_loads_and_continues_exactly(tmp_path):
     np.testing.assert_array_equal(
         to_np(loaded.get_layer("de").get_embedding_tables()["user"]),
         to_np(emb.get_embedding_tables()["user"]))
+
+
+@pytest.mark.parametrize("how", ["loss_scale_optimizer", "loss_scale_factor"])
+def test_fallback_tables_see_the_unscaled_gradient_under_loss_scaling(how):
+    def train(optimizer):
+        keras.utils.set_random_seed(3)
+        table = keras_rs.layers.TableConfig(
+            name="user", vocabulary_size=40, embedding_dim=WIDTH,
+            optimizer=keras.optimizers.Adagrad(0.1))
+        model, emb = rs_model({"user": table}, {"user": 3})
+        model.compile(optimizer=optimizer, loss="mse")
+        xs, ys = data({"user": 40}, {"user": 3}, steps=3)
+        model.fit(xs, ys, batch_size=BATCH, shuffle=False, verbose=0)
+        return to_np(emb.get_embedding_tables()["user"])
+
+    plain = train(sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)))
+    if how == "loss_scale_optimizer":
+        scaled = train(keras.optimizers.LossScaleOptimizer(
+            sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)), initial_scale=2.0**10))
+    else:
+        scaled = train(sparseopt.DispatchOptimizer(
+            keras.optimizers.SGD(0.1, loss_scale_factor=64.0)))
+    np.testing.assert_allclose(scaled, plain, rtol=1e-5, atol=1e-6)
