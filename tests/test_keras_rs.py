@@ -171,3 +171,25 @@ def test_fallback_tables_see_the_unscaled_gradient_under_loss_scaling(how):
         scaled = train(sparseopt.DispatchOptimizer(
             keras.optimizers.SGD(0.1, loss_scale_factor=64.0)))
     np.testing.assert_allclose(scaled, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_optimizer_map_can_hand_a_small_table_to_a_dense_keras_optimizer():
+    """The documented escape hatch for tiny tables. SGD: on TF, Keras' optimizers get
+    IndexedSlices and apply duplicate ids one by one, which only SGD makes exact."""
+    def train(optimizer_map):
+        keras.utils.set_random_seed(5)
+        table = keras_rs.layers.TableConfig(
+            name="tiny", vocabulary_size=12, embedding_dim=WIDTH,
+            optimizer=keras.optimizers.SGD(0.1))
+        model, emb = rs_model({"tiny": table}, {"tiny": 2})
+        model.compile(loss="mse", optimizer=sparseopt.DispatchOptimizer(
+            keras.optimizers.Adam(0.01), optimizer_map=optimizer_map))
+        xs, ys = data({"tiny": 12}, {"tiny": 2}, steps=3)
+        model.fit(xs, ys, batch_size=BATCH, shuffle=False, verbose=0)
+        return model, to_np(emb.get_embedding_tables()["tiny"])
+
+    sparse_model, sparse = train(None)
+    dense_model, dense = train({"de/tiny/embeddings": keras.optimizers.SGD(0.1)})
+    np.testing.assert_allclose(dense, sparse, rtol=1e-5, atol=1e-6)
+    assert sparse_model.optimizer.skipped_steps() == {"de/tiny/embeddings": 0}
+    assert dense_model.optimizer.skipped_steps() == {}  # not a sparse table there
