@@ -129,6 +129,23 @@ def time_steps(model, x, y, batch, steps):
     return float(np.median(timer.times[2:])) * 1e3  # skip compilation
 
 
+def train_in_chunks(model, train_x, train_y, val_x, val_y, args):
+    """One pass over the training data in `args.chunks` chunks, printing validation
+    loss, AUC and step time after each; returns the step times (compilation left out)."""
+    timer, step_times = StepTimer(), []
+    start = time.perf_counter()
+    edges = np.linspace(0, args.examples, args.chunks + 1).astype(int)
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        model.fit({k: v[lo:hi] for k, v in train_x.items()}, train_y[lo:hi],
+                  batch_size=args.batch, epochs=1, verbose=0, callbacks=[timer])
+        step_times.extend(timer.times[2:])
+        loss, auc = model.evaluate(val_x, val_y, batch_size=8192, verbose=0)
+        print(f"{hi:14,d} {loss:9.4f} {auc:8.3f} {np.median(timer.times[2:]) * 1e3:8.1f}",
+              flush=True)
+    print(f"trained in {time.perf_counter() - start:.0f} s")
+    return step_times
+
+
 def main():
     parser = argparse.ArgumentParser(description="DLRM on synthetic clicks with sparseopt.")
     parser.add_argument("--examples", type=int, default=2_400_000)
@@ -167,18 +184,7 @@ def main():
     print(f"{'examples seen':>14s} {'val loss':>9s} {'val AUC':>8s} {'ms/step':>8s}")
     loss, auc = model.evaluate(val_x, val_y, batch_size=8192, verbose=0)
     print(f"{0:14,d} {loss:9.4f} {auc:8.3f}")
-    timer = StepTimer()
-    start = time.perf_counter()
-    edges = np.linspace(0, args.examples, args.chunks + 1).astype(int)
-    step_times = []
-    for lo, hi in zip(edges[:-1], edges[1:]):
-        model.fit({k: v[lo:hi] for k, v in train_x.items()}, train_y[lo:hi],
-                  batch_size=args.batch, epochs=1, verbose=0, callbacks=[timer])
-        step_times.extend(timer.times[2:])
-        loss, auc = model.evaluate(val_x, val_y, batch_size=8192, verbose=0)
-        print(f"{hi:14,d} {loss:9.4f} {auc:8.3f} {np.median(timer.times[2:]) * 1e3:8.1f}",
-              flush=True)
-    print(f"trained in {time.perf_counter() - start:.0f} s")
+    step_times = train_in_chunks(model, train_x, train_y, val_x, val_y, args)
     sparse_ms = float(np.median(step_times)) * 1e3
     sparse_state = state_bytes(optimizer)
     dropped = sum(int(ops.convert_to_numpy(l.num_dropped_ids)) for l in model.layers

@@ -24,7 +24,6 @@ i.e. keras-rs' fallback as it is: Adam trains every table densely.
 import argparse
 import os
 import sys
-import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -35,8 +34,8 @@ import numpy as np  # noqa: E402
 
 import sparseopt  # noqa: E402
 from dlrm_synthetic import (  # noqa: E402
-    NUM_DENSE, TABLE_SIZES, StepTimer, dot_interaction, mlp, state_bytes, synthetic_clicks,
-    time_steps)
+    NUM_DENSE, TABLE_SIZES, dot_interaction, mlp, state_bytes, synthetic_clicks, time_steps,
+    train_in_chunks)
 
 
 def table_optimizer(rows):
@@ -107,18 +106,9 @@ def main():
     print(f"\nvalidation loss of a constant predictor: {bce(np.full_like(val_y, y.mean())):.4f}; "
           f"of the true click probabilities: {bce(prob[args.examples:]):.4f}")
     print(f"{'examples seen':>14s} {'val loss':>9s} {'val AUC':>8s} {'ms/step':>8s}")
-    timer, step_times = StepTimer(), []
-    start = time.perf_counter()
-    edges = np.linspace(0, args.examples, args.chunks + 1).astype(int)
-    for lo, hi in zip(edges[:-1], edges[1:]):
-        model.fit({k: v[lo:hi] for k, v in train_x.items()}, train_y[lo:hi],
-                  batch_size=args.batch, epochs=1, verbose=0, callbacks=[timer])
-        step_times.extend(timer.times[2:])
-        loss, auc = model.evaluate(val_x, val_y, batch_size=8192, verbose=0)
-        print(f"{hi:14,d} {loss:9.4f} {auc:8.3f} {np.median(timer.times[2:]) * 1e3:8.1f}",
-              flush=True)
-    print(f"trained in {time.perf_counter() - start:.0f} s; table steps skipped for "
-          f"non-finite gradients: {sum(optimizer.skipped_steps().values())}")
+    step_times = train_in_chunks(model, train_x, train_y, val_x, val_y, args)
+    print("table steps skipped for non-finite gradients: "
+          f"{sum(optimizer.skipped_steps().values())}")
 
     adam_table_slots = [v for v in optimizer.optimizer.variables
                         if len(v.shape) == 2 and v.shape[0] in sizes and v.shape[0] > 64]

@@ -150,26 +150,29 @@ def test_a_saved_keras_rs_model_loads_and_continues_exactly(tmp_path):
         to_np(emb.get_embedding_tables()["user"]))
 
 
+def train_one_table(table_optimizer, optimizer, vocab=40, bag=3, seed=3):
+    """3 steps of a one-table keras-rs model compiled with `optimizer`; the trained table."""
+    keras.utils.set_random_seed(seed)
+    table = keras_rs.layers.TableConfig(name="t", vocabulary_size=vocab, embedding_dim=WIDTH,
+                                        optimizer=table_optimizer)
+    model, emb = rs_model({"t": table}, {"t": bag})
+    model.compile(optimizer=optimizer, loss="mse")
+    xs, ys = data({"t": vocab}, {"t": bag}, steps=3)
+    model.fit(xs, ys, batch_size=BATCH, shuffle=False, verbose=0)
+    return model, to_np(emb.get_embedding_tables()["t"])
+
+
 @pytest.mark.parametrize("how", ["loss_scale_optimizer", "loss_scale_factor"])
 def test_fallback_tables_see_the_unscaled_gradient_under_loss_scaling(how):
-    def train(optimizer):
-        keras.utils.set_random_seed(3)
-        table = keras_rs.layers.TableConfig(
-            name="user", vocabulary_size=40, embedding_dim=WIDTH,
-            optimizer=keras.optimizers.Adagrad(0.1))
-        model, emb = rs_model({"user": table}, {"user": 3})
-        model.compile(optimizer=optimizer, loss="mse")
-        xs, ys = data({"user": 40}, {"user": 3}, steps=3)
-        model.fit(xs, ys, batch_size=BATCH, shuffle=False, verbose=0)
-        return to_np(emb.get_embedding_tables()["user"])
-
-    plain = train(sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)))
+    adagrad = keras.optimizers.Adagrad(0.1)
+    _, plain = train_one_table(adagrad, sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)))
     if how == "loss_scale_optimizer":
-        scaled = train(keras.optimizers.LossScaleOptimizer(
-            sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)), initial_scale=2.0**10))
+        optimizer = keras.optimizers.LossScaleOptimizer(
+            sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)), initial_scale=2.0**10)
     else:
-        scaled = train(sparseopt.DispatchOptimizer(
-            keras.optimizers.SGD(0.1, loss_scale_factor=64.0)))
+        optimizer = sparseopt.DispatchOptimizer(
+            keras.optimizers.SGD(0.1, loss_scale_factor=64.0))
+    _, scaled = train_one_table(adagrad, optimizer)
     np.testing.assert_allclose(scaled, plain, rtol=1e-5, atol=1e-6)
 
 
@@ -177,19 +180,11 @@ def test_optimizer_map_can_hand_a_small_table_to_a_dense_keras_optimizer():
     """The documented escape hatch for tiny tables. SGD: on TF, Keras' optimizers get
     IndexedSlices and apply duplicate ids one by one, which only SGD makes exact."""
     def train(optimizer_map):
-        keras.utils.set_random_seed(5)
-        table = keras_rs.layers.TableConfig(
-            name="tiny", vocabulary_size=12, embedding_dim=WIDTH,
-            optimizer=keras.optimizers.SGD(0.1))
-        model, emb = rs_model({"tiny": table}, {"tiny": 2})
-        model.compile(loss="mse", optimizer=sparseopt.DispatchOptimizer(
-            keras.optimizers.Adam(0.01), optimizer_map=optimizer_map))
-        xs, ys = data({"tiny": 12}, {"tiny": 2}, steps=3)
-        model.fit(xs, ys, batch_size=BATCH, shuffle=False, verbose=0)
-        return model, to_np(emb.get_embedding_tables()["tiny"])
+        return train_one_table(keras.optimizers.SGD(0.1), sparseopt.DispatchOptimizer(
+            keras.optimizers.Adam(0.01), optimizer_map=optimizer_map), vocab=12, bag=2, seed=5)
 
     sparse_model, sparse = train(None)
-    dense_model, dense = train({"de/tiny/embeddings": keras.optimizers.SGD(0.1)})
+    dense_model, dense = train({"de/t/embeddings": keras.optimizers.SGD(0.1)})
     np.testing.assert_allclose(dense, sparse, rtol=1e-5, atol=1e-6)
-    assert sparse_model.optimizer.skipped_steps() == {"de/tiny/embeddings": 0}
+    assert sparse_model.optimizer.skipped_steps() == {"de/t/embeddings": 0}
     assert dense_model.optimizer.skipped_steps() == {}  # not a sparse table there
