@@ -402,12 +402,7 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             multiplier = multiplier / self.loss_scale_factor
         ids = ops.concatenate([r[0] for r in records], axis=0)
         grads = ops.concatenate([ops.cast(r[1], "float32") for r in records], axis=0)
-        applied = sparse_apply(
-            table.updater, lookup.table, table.slots, ids, grads * multiplier,
-            table.updater.learning_rate_at(self._iterations), self._iterations + 1,
-            workspace=table.workspace,
-        )
-        table.skipped.assign_add(1 - ops.cast(applied, "int32"))
+        self._update(table, ids, grads * multiplier)
 
     def _apply_sliced(self, table, grad):
         """A table whose gradient arrives as slices: `(ids, row gradients)` (TF)."""
@@ -427,6 +422,10 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         grads = ops.cast(grads, "float32")
         if self.loss_scale_factor is not None:
             grads = grads / self.loss_scale_factor
+        self._update(table, ids, grads)
+
+    def _update(self, table, ids, grads):
+        """The updater's sparse step on `table`; a skipped step is counted."""
         applied = sparse_apply(
             table.updater, table.variable, table.slots, ids, grads,
             table.updater.learning_rate_at(self._iterations), self._iterations + 1,
