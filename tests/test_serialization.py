@@ -90,3 +90,27 @@ def test_checkpoints_hold_state_only_not_the_dedup_workspace():
     assert len(store) == len(state) >= 3  # FTRL's two slots, counters, Adam's
     for i, v in enumerate(state):
         np.testing.assert_array_equal(store[str(i)], to_np(v))
+
+
+def test_wrapped_optimizer_is_saved_once_and_loads_before_build_without_warnings(tmp_path):
+    """Keras' saver would also save Adam under the DispatchOptimizer's attributes, and
+    loading that copy into an unbuilt Adam warns that it skipped it."""
+    import warnings
+
+    import h5py
+
+    model, _ = table_model(50, 4, 3, sparseopt.updaters.Adagrad(0.1))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam()), loss=dot_loss)
+    model.optimizer.build(model.trainable_variables)
+    path = str(tmp_path / "w.weights.h5")
+    model.save_weights(path)
+    with h5py.File(path) as f:
+        groups = []
+        f["optimizer"].visit(groups.append)
+    assert [g for g in groups if not g.startswith("vars")] == [], groups
+    keras.backend.clear_session()
+    again, _ = table_model(50, 4, 3, sparseopt.updaters.Adagrad(0.1))
+    again.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam()), loss=dot_loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        again.load_weights(path)
