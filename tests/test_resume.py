@@ -128,3 +128,22 @@ def _loads(path, want_path, kind):
     for key in want:
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
     return True
+
+
+@pytest.mark.parametrize("double", [False, True])
+def test_backups_are_committed_whole_and_old_ones_pruned(tmp_path, double):
+    import sparseopt
+    from tests.helpers import dot_loss, table_model
+
+    model, _ = table_model(20, 3, 2, sparseopt.updaters.Adagrad(0.1))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam()), loss=dot_loss)
+    callback = sparseopt.callbacks.BackupAndRestore(
+        str(tmp_path / "b"), double_checkpoint=double, delete_checkpoint=False)
+    x = np.random.default_rng(0).integers(0, 20, (8, 2)).astype("int32")
+    model.fit(x, np.ones((8, 2, 3), "float32"), epochs=3, batch_size=4, verbose=0,
+              callbacks=[callback])
+    kept = sorted(os.listdir(tmp_path / "b"))
+    assert kept == (["backup-00000001", "backup-00000002"] if double else ["backup-00000002"])
+    for name in kept:
+        assert sorted(os.listdir(tmp_path / "b" / name)) == [
+            "model.weights.h5", "training_metadata.json"]
