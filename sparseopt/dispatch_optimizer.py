@@ -483,8 +483,9 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                 "Keras optimizer), or load with `compile=False` / `skip_mismatch` "
                 "to start the optimizer afresh."
             )
-        for variable, value in zip(saved, values):
-            backend.assign_now(variable, value)
+        with backend.outside_trace():  # TF builds optimizers inside the traced step
+            for variable, value in zip(saved, values):
+                variable.assign(value)
 
     def finalize_variable_values(self, var_list):
         for opt in self._dense_optimizers:

@@ -13,9 +13,8 @@ Each backend module provides:
   touched rows in place.
 - `fill_in_blocks(make_block, shape, dtype, block_rows)`: a large array
   built block by block in place (`None` where the backend cannot).
-- `assign_now(variable, value)` / `outside_trace()`: assign, or run a block,
-  outside any trace, even while a train step is being traced (TF builds
-  optimizers there).
+- `outside_trace()`: a context that runs its block outside any trace, even
+  while a train step is being traced (TF builds optimizers there).
 - `has_int64()`: whether int64 arrays exist (JAX: only with `jax_enable_x64`).
 - `SPARSE_GRADIENTS` / `gradient_slices(grad)` / `gather_from_resource(var,
   ids)`: whether a gather's gradient is sparse (TF), its `(ids, row_grads)`,
@@ -30,12 +29,12 @@ import keras
 
 if keras.backend.backend() == "jax":
     from sparseopt.backend.jax import (  # noqa: F401
-        SPARSE_GRADIENTS, WORKSPACE, assign_now, dedup, fill_in_blocks, fused_apply, gather,
+        SPARSE_GRADIENTS, WORKSPACE, dedup, fill_in_blocks, fused_apply, gather,
         gather_from_resource, gradient_slices, has_int64, num_replicas, outside_trace,
         read_rows, scatter, tap)
 elif keras.backend.backend() == "tensorflow":
     from sparseopt.backend.tensorflow import (  # noqa: F401
-        SPARSE_GRADIENTS, WORKSPACE, assign_now, dedup, fill_in_blocks, fused_apply, gather,
+        SPARSE_GRADIENTS, WORKSPACE, dedup, fill_in_blocks, fused_apply, gather,
         gather_from_resource, gradient_slices, has_int64, num_replicas, outside_trace,
         read_rows, scatter, tap)
 else:

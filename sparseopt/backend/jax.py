@@ -124,10 +124,6 @@ def outside_trace():
     return contextlib.nullcontext()  # JAX builds optimizers outside the traced step
 
 
-def assign_now(variable, value):
-    variable.assign(value)  # JAX builds optimizers outside the traced step
-
-
 def read_rows(table, ids):
     """Forward lookup of valid `ids` in a Keras variable (no gradient to it)."""
     return jnp.take(jax.lax.stop_gradient(table.value), ids, axis=0)

@@ -81,11 +81,6 @@ def outside_trace():
     return tf.init_scope()
 
 
-def assign_now(variable, value):
-    with tf.init_scope():  # lift out of the train function being traced
-        variable.assign(value)
-
-
 def read_rows(table, ids):
     """Forward lookup of valid `ids` in a Keras variable (no gradient to it).
 
