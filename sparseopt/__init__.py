@@ -4,9 +4,9 @@ Layers declare which updater trains each table (`variable_path_to_optimizer_map`
 `DispatchOptimizer` wraps a standard Keras optimizer for everything else.
 """
 
-from sparseopt import callbacks, layers, ops, saving, updaters
+from sparseopt import callbacks, distribution, layers, ops, saving, updaters
 from sparseopt.dispatch_optimizer import DispatchOptimizer
 
 __version__ = "0.1.0"
 
-__all__ = ["DispatchOptimizer", "callbacks", "layers", "ops", "saving", "updaters"]
+__all__ = ["DispatchOptimizer", "callbacks", "distribution", "layers", "ops", "saving", "updaters"]

@@ -9,7 +9,7 @@ import warnings
 import keras
 from keras import ops
 
-from sparseopt.saving import fsync_path
+from sparseopt.saving import check_one_process, fsync_path
 
 _DONE = re.compile(r"^backup-(\d{8})$")
 _WEIGHTS = "model.weights.h5"
@@ -112,6 +112,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                     shutil.rmtree(os.path.join(self.backup_dir, name), ignore_errors=True)
 
     def on_train_begin(self, logs=None):
+        check_one_process("sparseopt.callbacks.BackupAndRestore")
         self._load_model()
 
     def on_train_end(self, logs=None):

@@ -10,6 +10,7 @@ from keras import ops
 
 from sparseopt import backend
 from sparseopt.declared import declared_updaters
+from sparseopt.distribution import layout_like
 from sparseopt.keras_rs_tables import default_device_tables, read_by_gather, read_sparsely
 from sparseopt.sparse_apply import sparse_apply
 from sparseopt.updaters import Updater
@@ -62,6 +63,10 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
     reaches the tables: they see the true gradient, and a step skipped for
     non-finite gradients leaves them untouched. Clipping, weight decay and EMA
     of the Keras optimizer act on dense variables only.
+
+    Under a `keras.distribution` (JAX), each table's state is split like the
+    table, and a table split by rows is updated on each shard, in place (see
+    `sparseopt.distribution`). TensorFlow distribution strategies are refused.
 
     Args:
         optimizer: the Keras optimizer (instance or name) for dense variables.
@@ -207,10 +212,13 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             for entry in self._tables.values():
                 table = entry.variable
                 for spec in entry.updater.slots:
+                    shape = spec.shape(table.shape)
                     entry.slots[spec.name] = self.add_variable(
-                        shape=spec.shape(table.shape),
+                        shape=shape,
                         initializer=_Filled(spec.initial_value),
                         dtype=table.dtype,
+                        # Sharded like the table, so that updates stay local.
+                        layout=layout_like(table, len(shape)),
                         name=f"{table.path.replace('/', '_')}_{spec.name}",
                     )
                 entry.skipped = self.add_variable(
@@ -222,6 +230,7 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                     # updates stay independent. Not state: never saved.
                     entry.workspace = self.add_variable(
                         shape=(table.shape[0],), dtype="int32", initializer="zeros",
+                        layout=layout_like(table, 1),
                         name=f"{table.path.replace('/', '_')}_dedup_workspace",
                     )
         # Each new probe sits right after its table, where the layer's weights
@@ -318,15 +327,15 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                 )
 
     def _check_replicas(self):
-        replicas = backend.num_replicas()
+        replicas = backend.replicas_running_alone()
         if replicas > 1:
             tables = sorted(t.variable.path for t in self._tables.values())
             raise ValueError(
-                f"DispatchOptimizer: the sparse tables {tables} would be trained on "
-                f"{replicas} replicas (a distribution strategy or keras.distribution "
-                "is active), which sparseopt does not support yet: each replica "
-                "would write its own rows. Train on one device, or drop the "
-                "distribution for now."
+                f"DispatchOptimizer: the sparse tables {tables} would be trained by "
+                f"{replicas} replicas of a TensorFlow distribution strategy, each "
+                "running its own step and writing its own rows, which sparseopt does "
+                "not support. Train on one device, or shard the tables on JAX with "
+                "keras.distribution (see sparseopt.distribution.row_sharded)."
             )
 
     def dropped_ids(self):

@@ -11,6 +11,8 @@ sees the old file or the new one, never a mix.
 import contextlib
 import os
 
+import keras
+
 
 def save_model(model, filepath, **kwargs):
     """`model.save(filepath)` that never leaves a partly written file.
@@ -52,8 +54,31 @@ def fsync_path(path):
         os.close(fd)
 
 
+def check_one_process(what):
+    """Refuses to write a checkpoint file from one of several JAX processes.
+
+    Keras' `.keras` / `.weights.h5` writers fetch every variable into this
+    process, which fails for tables sharded over several hosts' devices.
+
+    Args:
+        what: the saver's name, for the message.
+    """
+    if keras.backend.backend() != "jax":
+        return
+    import jax
+
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"{what}: this is one of {jax.process_count()} processes, and a sharded "
+            "model's variables are spread over all of them; one file cannot be written "
+            "from here. Use `keras.callbacks.OrbaxCheckpoint(directory)` (every process "
+            "writes its own shards) and `model.load_weights(directory)` to resume."
+        )
+
+
 @contextlib.contextmanager
 def _atomic_file(filepath):
+    check_one_process("sparseopt.saving")
     filepath = os.fspath(filepath)
     if "://" in filepath:  # gs://, s3://, hf://: no atomic rename there
         raise ValueError(

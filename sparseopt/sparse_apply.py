@@ -3,7 +3,9 @@
 Written once with `keras.ops` plus the backend primitives; the cost is
 proportional to the ids in the batch, never to the number of rows. Where the
 backend has its own fused kernel for exactly the updater's rule (TensorFlow's
-sparse-apply kernels), that kernel replaces gather, rule and scatter.
+sparse-apply kernels), that kernel replaces gather, rule and scatter. Where a
+table is split by rows over devices (`keras.distribution`), the same steps
+run on each shard, on the ids that shard owns.
 """
 
 from keras import ops
@@ -30,6 +32,14 @@ def sparse_apply(updater, table, slots, ids, grads, learning_rate, step, workspa
     Returns:
         A boolean scalar tensor: whether the update was applied.
     """
+    shards = backend.row_shards(table)
+    if shards is not None:
+        return backend.on_row_shards(_apply, shards, updater, table, slots, ids, grads,
+                                     learning_rate, step, workspace)
+    return _apply(updater, table, slots, ids, grads, learning_rate, step, workspace)
+
+
+def _apply(updater, table, slots, ids, grads, learning_rate, step, workspace):
     num_rows = table.shape[0]
     grads = ops.cast(grads, "float32")
     uniq, summed = backend.dedup(ids, grads, num_rows, workspace)

@@ -19,7 +19,12 @@ Each backend module provides:
 - `SPARSE_GRADIENTS` / `gradient_slices(grad)` / `gather_from_resource(var,
   ids)`: whether a gather's gradient is sparse (TF), its `(ids, row_grads)`,
   and such a gather (`None` on JAX).
-- `num_replicas()`: how many devices a distribution would train on.
+- `replicas_running_alone()`: how many replicas would each run their own
+  copy of the train step and write their own rows (TF distribution
+  strategies); 1 where a distribution compiles one global program (JAX).
+- `row_shards(variable)` / `on_row_shards(apply, shards, ...)`: where a
+  table is split by rows over devices, `(mesh, axis)`, and running an update
+  on each shard with the ids it owns (JAX; `None` / never on TF).
 - `fused_apply(updater, table, slots, ids, grads, lr, finite)`: apply the
   updater with the backend's own kernel if one computes exactly its rule
   (TensorFlow); returns `False` when there is none (always, on JAX).
@@ -30,13 +35,13 @@ import keras
 if keras.backend.backend() == "jax":
     from sparseopt.backend.jax import (  # noqa: F401
         SPARSE_GRADIENTS, WORKSPACE, dedup, fill_in_blocks, fused_apply, gather,
-        gather_from_resource, gradient_slices, has_int64, num_replicas, outside_trace,
-        read_rows, scatter, tap)
+        gather_from_resource, gradient_slices, has_int64, on_row_shards, outside_trace,
+        read_rows, replicas_running_alone, row_shards, scatter, tap)
 elif keras.backend.backend() == "tensorflow":
     from sparseopt.backend.tensorflow import (  # noqa: F401
         SPARSE_GRADIENTS, WORKSPACE, dedup, fill_in_blocks, fused_apply, gather,
-        gather_from_resource, gradient_slices, has_int64, num_replicas, outside_trace,
-        read_rows, scatter, tap)
+        gather_from_resource, gradient_slices, has_int64, on_row_shards, outside_trace,
+        read_rows, replicas_running_alone, row_shards, scatter, tap)
 else:
     raise ImportError(
         f"sparseopt supports the 'jax' and 'tensorflow' Keras backends; the "

@@ -11,7 +11,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import keras
 import numpy as np
 
 
@@ -115,9 +114,10 @@ def has_int64():
     return bool(jax.config.jax_enable_x64)  # else JAX truncates int64 to int32
 
 
-def num_replicas():
-    distribution = keras.distribution.distribution()
-    return 1 if distribution is None else int(np.prod(distribution.device_mesh.shape))
+def replicas_running_alone():
+    # keras.distribution compiles one global program (GSPMD): a table and
+    # its state are updated once, shard by shard, never per replica.
+    return 1
 
 
 def outside_trace():
@@ -160,6 +160,76 @@ def fill_in_blocks(make_block, shape, dtype, block_rows):
 @functools.partial(jax.jit, donate_argnums=0)
 def _put_rows(out, block, start):
     return jax.lax.dynamic_update_slice_in_dim(out, block.astype(out.dtype), start, axis=0)
+
+
+def row_shards(variable):
+    """`(mesh, axis)` if `variable`'s rows are split evenly over one mesh axis.
+
+    None otherwise (one device, replicated, split by columns, or uneven):
+    then the update is left to XLA's partitioner, which is also correct.
+    """
+    # A keras.distribution TensorLayout (the state is laid out like it).
+    sharding = getattr(getattr(variable, "_layout", None), "backend_layout", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    spec = tuple(sharding.spec)
+    axis = spec[0] if spec else None
+    if not isinstance(axis, str) or any(s is not None for s in spec[1:]):
+        return None
+    if variable.shape[0] % sharding.mesh.shape[axis]:
+        return None
+    return sharding.mesh, axis
+
+
+class _Shard:
+    """One device's block of a variable inside `shard_map`, used as the variable."""
+
+    def __init__(self, value):
+        self.value = value
+
+    @property
+    def shape(self):
+        return self.value.shape
+
+    def assign(self, value):
+        self.value = value
+
+
+def on_row_shards(apply, shards, updater, table, slots, ids, grads, learning_rate, step,
+                  workspace):
+    """Runs `apply` on each row shard of `table`, with the ids that shard owns.
+
+    Every shard receives all of the step's `(ids, grads)` (one all-gather of
+    the batch's rows, never of a table), keeps the ids in its own row range
+    as local row numbers, and updates its blocks of the table, its state and
+    its dedup workspace in place. Ids no shard owns (invalid) are dropped.
+    """
+    mesh, axis = shards
+    rows = table.shape[0] // mesh.shape[axis]
+    names = sorted(slots)
+
+    def local(block, state, space, ids, grads, learning_rate, step):
+        start = jax.lax.axis_index(axis) * rows
+        ids = ids.astype(jnp.int32)
+        mine = (ids >= start) & (ids < start + rows)
+        block, space = _Shard(block), _Shard(space)
+        state = {name: _Shard(v) for name, v in zip(names, state)}
+        applied = apply(updater, block, state, jnp.where(mine, ids - start, -1), grads,
+                        learning_rate, step, space)
+        return block.value, [state[n].value for n in names], space.value, applied
+
+    split, whole = jax.sharding.PartitionSpec(axis), jax.sharding.PartitionSpec()
+    new_table, new_state, new_space, applied = jax.shard_map(
+        local, mesh=mesh,
+        in_specs=(split, [split] * len(names), split, whole, whole, whole, whole),
+        out_specs=(split, [split] * len(names), split, whole), check_vma=False,
+    )(table.value, [slots[n].value for n in names], workspace.value, ids, grads,
+      learning_rate, step)
+    table.assign(new_table)
+    for name, value in zip(names, new_state):
+        slots[name].assign(value)
+    workspace.assign(new_space)
+    return applied
 
 
 def fused_apply(updater, table, slots, ids, grads, learning_rate, finite):

@@ -73,7 +73,14 @@ def has_int64():
     return True
 
 
-def num_replicas():
+def row_shards(variable):
+    return None  # tables are never split over devices on TF (strategies are refused)
+
+
+on_row_shards = None
+
+
+def replicas_running_alone():
     return tf.distribute.get_strategy().num_replicas_in_sync
 
 

@@ -37,19 +37,33 @@ def blockwise(initializer, block_rows=BLOCK_ROWS):
     """
     if not isinstance(initializer, ELEMENTWISE) or backend.fill_in_blocks is None:
         return initializer
+    return _Blockwise(initializer, block_rows)
 
-    def init(shape, dtype=None):
+
+class _Blockwise(keras.initializers.Initializer):
+    """`initializer`, drawn by blocks of rows for large tables.
+
+    An `Initializer` object, not a function: Keras jits `initializer.__call__`
+    to create large sharded variables on their devices.
+    """
+
+    def __init__(self, initializer, block_rows):
+        self.initializer = initializer
+        self.block_rows = block_rows
+
+    def __call__(self, shape, dtype=None):
         shape = tuple(shape)
-        rows, elements = shape[0], 1
+        elements = 1
         for dim in shape:
             elements *= dim
         if elements < MIN_ELEMENTS or keras.distribution.distribution() is not None:
-            return initializer(shape, dtype=dtype)
+            return self.initializer(shape, dtype=dtype)
         return backend.fill_in_blocks(
-            lambda i, block_shape: _for_block(initializer, i)(block_shape, dtype=dtype),
-            shape, dtype, block_rows)
+            lambda i, block_shape: _for_block(self.initializer, i)(block_shape, dtype=dtype),
+            shape, dtype, self.block_rows)
 
-    return init
+    def get_config(self):
+        return self.initializer.get_config()
 
 
 def _for_block(initializer, index):

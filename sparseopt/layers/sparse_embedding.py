@@ -3,7 +3,12 @@
 import keras
 from keras import ops
 
+# Keras' path of the variables created here (not re-exported publicly, as
+# AutocastScope in ops/lookup.py): what a LayoutMap matches.
+from keras.src.backend.common.name_scope import current_path
+
 from sparseopt import updaters as updaters_lib
+from sparseopt.distribution import check_even_split
 from sparseopt.layers.block_init import blockwise
 from sparseopt.ops.lookup import SparseLookup, check_ids_dtype
 
@@ -85,8 +90,10 @@ class SparseEmbedding(keras.layers.Layer):
         self.combiner = combiner
 
     def build(self, input_shape=None):
+        shape = (self.input_dim, self.output_dim)
+        check_even_split(self.name, f"{current_path()}/embeddings".lstrip("/"), shape)
         self.embeddings = self.add_weight(
-            shape=(self.input_dim, self.output_dim),
+            shape=shape,
             # Large random tables are drawn in blocks: memory peaks at one
             # table, not four (see block_init.py).
             initializer=blockwise(self.embeddings_initializer),

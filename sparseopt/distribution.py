@@ -1,0 +1,244 @@
+"""Sharded tables with `keras.distribution` (JAX).
+
+A table is sharded the way Keras shards any variable: by its path in a
+`keras.distribution.LayoutMap`. `DispatchOptimizer` then places each
+updater's state exactly like its table (`layout_like`), and the sparse update
+compiles, under the distribution's one global program (GSPMD), into a local
+gather / rule / scatter on each shard: no device ever holds or receives the
+whole table. `row_sharded` builds the usual recommender layout in one call.
+"""
+
+import collections
+import dataclasses
+import math
+import re
+import types
+
+import keras
+import numpy as np
+
+
+def layout_like(table, ndim):
+    """The layout of an `ndim`-D array indexed by `table`'s rows, or None.
+
+    For tables placed by a `keras.distribution` (a `TensorLayout`).
+
+    Row-wise state (`[V]`) and the dedup workspace take the table's row
+    sharding; full state (`[V, D]`) takes its whole layout.
+
+    Args:
+        table: the table's Keras variable.
+        ndim: 1 or 2.
+    """
+    layout = getattr(table, "_layout", None)
+    if not isinstance(layout, keras.distribution.TensorLayout):
+        return None  # no distribution (or a backend sharding given by hand: replicated)
+    return keras.distribution.TensorLayout(layout.axes[:ndim], layout.device_mesh)
+
+
+def check_even_split(layer_name, path, shape):
+    """Refuses a variable the active distribution would split unevenly.
+
+    JAX places an array on a mesh only when each split dimension divides
+    evenly; this says so before the variable is created, with the fix.
+
+    Args:
+        layer_name: the owning layer's name, for the message.
+        path: the variable's path, as the `LayoutMap` sees it.
+        shape: the variable's shape.
+    """
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return
+    probe = types.SimpleNamespace(path=path, shape=tuple(shape), _layout=None)
+    layout = distribution.get_variable_layout(probe)
+    mesh = distribution.device_mesh
+    sizes = dict(zip(mesh.axis_names, mesh.shape))
+    for dim, axis in enumerate(getattr(layout, "axes", ()) or ()):
+        names = axis if isinstance(axis, (tuple, list)) else (axis,)
+        parts = math.prod(sizes[n] for n in names if n is not None)
+        if shape[dim] % parts:
+            fixed = -(-shape[dim] // parts) * parts
+            raise ValueError(
+                f"Layer '{layer_name}': the distribution splits dimension {dim} of "
+                f"'{path}' ({shape[dim]}) over {parts} devices (mesh axes {names}), "
+                f"which JAX requires to divide evenly. Use {fixed} (the next multiple "
+                f"of {parts}; rows no id reaches are never read or updated), or leave "
+                "this variable out of the LayoutMap."
+            )
+
+
+def row_sharded(tables, device_mesh=None, table_axis=None, batch_dim_name=None,
+                layout_map=None, auto_shard_dataset=True):
+    """A `keras.distribution.ModelParallel` with `tables` sharded by rows.
+
+    Every other variable (the dense part) is replicated and trained
+    data-parallel over `batch_dim_name`, unless `layout_map` says otherwise.
+    With the default one-axis mesh over all devices, each of `n` devices
+    holds `1/n` of each table's rows and of its optimizer state, and a
+    `1/n` slice of each batch.
+
+    Set it before the model is built:
+
+    ```python
+    keras.distribution.set_distribution(
+        sparseopt.distribution.row_sharded(tables=[r".*/embeddings"]))
+    model = build_model()  # tables are created sharded
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam()))
+    ```
+
+    Args:
+        tables: variable paths (regexes, matched whole, as `LayoutMap` does)
+            of the tables to shard.
+        device_mesh: a `keras.distribution.DeviceMesh`; defaults to one axis
+            named `"batch"` over `keras.distribution.list_devices()` (every
+            process's devices, multi-host included).
+        table_axis: mesh axis to split rows over; defaults to the mesh's
+            last axis.
+        batch_dim_name: mesh axis to split batches over; defaults to the
+            mesh's first axis.
+        layout_map: an existing `LayoutMap` on `device_mesh` to add to (e.g.
+            with layouts of dense layers).
+        auto_shard_dataset: as in `ModelParallel`: with several processes,
+            whether Keras splits a `tf.data.Dataset` between them. Set it to
+            False when each process already reads its own part of the data
+            (required for NumPy inputs).
+    """
+    if isinstance(tables, str):
+        tables = [tables]
+    if device_mesh is None:
+        device_mesh = (layout_map.device_mesh if layout_map is not None else
+                       keras.distribution.DeviceMesh(
+                           (len(keras.distribution.list_devices()),), ["batch"]))
+    table_axis = table_axis or device_mesh.axis_names[-1]
+    batch_dim_name = batch_dim_name or device_mesh.axis_names[0]
+    for axis in (table_axis, batch_dim_name):
+        if axis not in device_mesh.axis_names:
+            raise ValueError(
+                f"row_sharded: axis '{axis}' is not in the device mesh's axes "
+                f"{list(device_mesh.axis_names)}."
+            )
+    if layout_map is None:
+        layout_map = keras.distribution.LayoutMap(device_mesh)
+    for path in tables:
+        layout_map[path] = (table_axis, None)
+    return keras.distribution.ModelParallel(layout_map=layout_map,
+                                            batch_dim_name=batch_dim_name,
+                                            auto_shard_dataset=auto_shard_dataset)
+
+
+# -- checking what a sharded step does (JAX) ----------------------------------
+
+_COLLECTIVE = re.compile(
+    r"=\s*(?P<shapes>\(.*?\)|\S+)\s+(?P<kind>all-gather|all-reduce|reduce-scatter|"
+    r"all-to-all|collective-permute|collective-broadcast)(?:-start)?\(")
+_ARRAY = re.compile(r"\b(?P<dtype>pred|[suf]\d+|bf16)\[(?P<dims>[\d,]*)\]")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of a compiled step, as seen by one device.
+
+    Args:
+        kind: `"all-gather"`, `"all-reduce"`, `"reduce-scatter"`,
+            `"all-to-all"`, `"collective-permute"` or `"collective-broadcast"`.
+        shapes: the result's array shapes (one per operand).
+        nbytes: the result's size in bytes on one device.
+    """
+
+    kind: str
+    shapes: tuple
+    nbytes: int
+
+
+def collectives(hlo_text):
+    """The collectives in a compiled module's HLO text, in program order.
+
+    Args:
+        hlo_text: `jax.stages.Compiled.as_text()` (e.g. of
+            `compile_train_step(...)`); any post-optimization HLO module.
+    """
+    found = []
+    for line in hlo_text.splitlines():
+        match = _COLLECTIVE.search(line)
+        if match is None:
+            continue
+        shapes, nbytes = [], 0
+        for array in _ARRAY.finditer(match["shapes"]):
+            dims = tuple(int(d) for d in array["dims"].split(",") if d)
+            shapes.append(dims)
+            dtype = array["dtype"]
+            size = _BYTES[dtype] if dtype in _BYTES else int(dtype[1:]) // 8
+            nbytes += size * math.prod(dims)
+        found.append(Collective(match["kind"], tuple(shapes), nbytes))
+    return found
+
+
+def step_inputs(model, x, y=None, sample_weight=None):
+    """The `(state, data)` pair that `fit` passes to the jitted train step (JAX).
+
+    `state` holds the current values of the model's trainable, non-trainable,
+    optimizer and metric variables; `data` is the batch placed as the active
+    distribution places it.
+
+    Args:
+        model: a compiled Keras model whose optimizer is built.
+        x, y, sample_weight: one batch, as `fit` would get it (with several
+            processes: this process's part of it).
+    """
+    import jax
+
+    distribution = keras.distribution.distribution()
+
+    def place(value):
+        if value is None or distribution is None:
+            return value
+        layout = distribution.get_data_layout(value.shape).backend_layout
+        return jax.make_array_from_process_local_data(layout, np.asarray(value))
+
+    data = tuple(jax.tree_util.tree_map(place, d) for d in (x, y, sample_weight))
+    state = tuple([v.value for v in group] for group in _state_groups(model))
+    return state, data
+
+
+def compile_train_step(model, x, y=None, sample_weight=None):
+    """`model`'s train step compiled for one batch, as `fit` compiles it (JAX).
+
+    The result is the program each device runs: inspect it with
+    `collectives(compiled.as_text())` and `compiled.memory_analysis()`, or
+    run it, `logs, state = compiled(*step_inputs(model, x, y))` (the state
+    is donated). Nothing is trained by compiling.
+
+    Args:
+        model: a compiled Keras model whose optimizer is built (e.g. after
+            `model.optimizer.build(model.trainable_variables)`).
+        x, y, sample_weight: one batch, as for `step_inputs`.
+    """
+    import jax
+
+    if keras.backend.backend() != "jax":
+        raise ValueError("compile_train_step: needs the JAX backend.")
+    shardings = tuple([v.value.sharding for v in group] for group in _state_groups(model))
+    # Metrics Keras has not built yet (no fit so far) come out where XLA puts them.
+    shardings = shardings[:3] + (None,)
+    step = jax.jit(model.train_step, donate_argnums=0, out_shardings=(None, shardings))
+    return step.lower(*step_inputs(model, x, y, sample_weight)).compile()
+
+
+def _state_groups(model):
+    return (model.trainable_variables, model.non_trainable_variables,
+            model.optimizer.variables, model.metrics_variables)
+
+
+def bytes_per_device(variables):
+    """`{device: bytes of `variables` stored on it}` (JAX arrays' shards).
+
+    Args:
+        variables: Keras variables, e.g. a table and its optimizer state.
+    """
+    held = collections.Counter()
+    for variable in variables:
+        for shard in variable.value.addressable_shards:
+            held[shard.device] += shard.data.nbytes
+    return dict(held)
