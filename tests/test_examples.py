@@ -28,3 +28,19 @@ def test_example_trains_and_reports(name):
         assert "each trained by its TableConfig.optimizer" in out
         assert "rows: Adagrad(" in out and "rows: Ftrl(" in out
         assert "Adam variables shaped like a table: 0" in out
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax",
+                    reason="sharded_dlrm.py runs on JAX whatever KERAS_BACKEND says")
+def test_sharded_example_splits_tables_and_trains():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "sharded_dlrm.py"), "--examples",
+         "30000", "--chunks", "1", "--scale", "0.1"],
+        cwd=ROOT, env=dict(env, TF_CPP_MIN_LOG_LEVEL="3"), capture_output=True, text=True,
+        timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "4 cpu devices" in out and "split by rows over 4 devices" in out
+    assert "on each device (4.0x less)" in out and ", 0 carrying a table" in out
+    assert "val loss" in out and "table steps skipped for non-finite gradients: 0" in out

@@ -1,0 +1,261 @@
+"""A four-table recommender trained under several keras.distribution layouts (JAX).
+
+Usage: XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+    python -m tests.jobs.sharded_job OUT_DIR [--layouts L ...]
+
+Several processes (multi-host on one machine): start one per process, each
+with its share of the devices and Keras' own variables
+`KERAS_DISTRIBUTION_JOB_ADDRESSES` (the coordinator, e.g. localhost:PORT),
+`KERAS_DISTRIBUTION_NUM_PROCESSES` and `KERAS_DISTRIBUTION_PROCESS_ID`.
+The script is the same: each process feeds its own slice of every batch and
+process 0 writes the results.
+
+Each layout trains the same model from the same initial weights on the same
+batches, in this one process, and leaves in OUT_DIR:
+
+- `<layout>.npz`: every model weight and every optimizer state variable
+  after training (and `init.npz`: the initial weights);
+- `<layout>.json`: where the tables and their state live (bytes per device,
+  shard shapes), the compiled step's collectives and memory, the dropped-id
+  counts, and the collectives of the same step with 8x larger tables.
+
+Layouts: `single` (no distribution: device 0 alone), `rows8` (every table
+row-sharded over one 8-device axis that also splits the batch), `rows2x4`
+(rows over a 4-device "model" axis, batch over a 2-device "batch" axis),
+`cols2x4` (tables split by columns over "model") and `data8` (DataParallel:
+tables replicated).
+"""
+
+import argparse
+import json
+import os
+
+import jax
+import keras
+import numpy as np
+from jax.experimental import multihost_utils
+
+import sparseopt
+from sparseopt.distribution import bytes_per_device, collectives, compile_train_step
+
+TABLES = {  # name: (rows, width, updater)
+    "user": (4096, 8, lambda: sparseopt.updaters.Adagrad(0.1)),
+    "item": (2048, 8, lambda: sparseopt.updaters.Ftrl(0.05, l1_regularization_strength=1e-3)),
+    "cat": (1024, 8, lambda: sparseopt.updaters.RowwiseAdagrad(0.1)),
+    "tag": (512, 8, lambda: sparseopt.updaters.SGD(0.5)),
+}
+IDS_PER_TABLE = {"user": 6, "item": 3, "cat": 2, "tag": 4}
+BATCH, STEPS = 48, 12  # 48: no batch-sized dimension equals a table shard's rows
+LAYOUTS = ("single", "rows8", "rows2x4", "cols2x4", "data8")
+
+
+def build_model(layout="single", scale=1):
+    """The model under `layout`; `scale` multiplies every table's rows."""
+    keras.backend.clear_session()  # the same variable paths in every run (and no distribution)
+    keras.distribution.set_distribution(distribution(layout))
+    keras.utils.set_random_seed(1)
+    inputs, features = [], []
+    for name, (rows, width, updater) in TABLES.items():
+        ids = keras.Input((IDS_PER_TABLE[name],), dtype="int32", name=f"{name}_ids")
+        emb = sparseopt.layers.SparseEmbedding(rows * scale, width, updater(), name=name,
+                                               combiner="sum")
+        inputs.append(ids)
+        features.append(emb(ids))
+    dense_in = keras.Input((4,), name="dense")
+    inputs.append(dense_in)
+    x = keras.layers.Concatenate()(features + [keras.layers.Dense(8, name="bottom")(dense_in)])
+    x = keras.layers.Dense(16, activation="relu", name="top")(x)
+    model = keras.Model(inputs, keras.layers.Dense(1, name="logit")(x))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam(0.01)),
+                  loss=keras.losses.BinaryCrossentropy(from_logits=True))
+    return model
+
+
+def data():
+    """Skewed ids with duplicates in every batch and some invalid ids (-1, rows)."""
+    rng = np.random.default_rng(0)
+    n = BATCH * STEPS
+    x = {}
+    for name, (rows, _, _) in TABLES.items():
+        ids = np.minimum(rng.zipf(1.3, (n, IDS_PER_TABLE[name])) - 1, rows - 1)
+        ids = rng.permutation(rows)[ids]  # hot rows spread over every shard
+        ids[rng.random(ids.shape) < 0.02] = -1
+        ids[rng.random(ids.shape) < 0.02] = rows
+        x[f"{name}_ids"] = ids.astype("int32")
+    x["dense"] = rng.normal(size=(n, 4)).astype("float32")
+    y = (rng.random((n, 1)) < 0.3).astype("float32")
+    return x, y
+
+
+def distribution(layout):
+    devices = keras.distribution.list_devices()
+    # Each process feeds its own slice of each batch (see `this_process`).
+    split = jax.process_count() == 1
+    if layout == "single":
+        return None
+    if layout == "data8":
+        return keras.distribution.DataParallel(devices=devices, auto_shard_dataset=split)
+    if layout == "rows8":
+        return sparseopt.distribution.row_sharded([r".*/embeddings"], auto_shard_dataset=split)
+    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], devices)
+    if layout == "rows2x4":
+        return sparseopt.distribution.row_sharded([r".*/embeddings"], mesh,
+                                                  auto_shard_dataset=split)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[r".*/embeddings"] = (None, "model")
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch",
+                                            auto_shard_dataset=split)
+
+
+def table_state(model, name):
+    """A table and all of its optimizer variables (state and dedup workspace)."""
+    prefix = f"{name}_embeddings_"
+    table = model.get_layer(name).embeddings
+    return [table] + [v for v in model.optimizer.variables
+                      if v.path.split("/")[-1].startswith(prefix)]
+
+
+def this_process(array):
+    """This process's slice of every batch (all of it with one process)."""
+    n, p = jax.process_count(), jax.process_index()
+    per_step = array.reshape((STEPS, n, BATCH // n) + array.shape[1:])
+    return per_step[:, p].reshape((-1,) + array.shape[1:])
+
+
+def to_numpy(value):
+    """A whole array, also where other processes hold some of its shards."""
+    if jax.process_count() > 1:
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+    return np.asarray(value)
+
+
+def run(layout, out, x, y, init):
+    model = build_model(layout)
+    model.set_weights(init)
+    x, y = {k: this_process(v) for k, v in x.items()}, this_process(y)
+    local_batch = BATCH // jax.process_count()
+    model.fit(x, y, batch_size=local_batch, epochs=1, shuffle=False, verbose=0)
+    saved = {f"w:{v.path}": to_numpy(v.value) for v in model.weights}
+    saved.update({f"opt:{v.path}": to_numpy(v.value) for v in model.optimizer.variables
+                  if "dedup_workspace" not in v.path})
+    if jax.process_index() == 0:
+        np.savez(os.path.join(out, f"{layout}.npz"), **saved)
+    if layout == "rows8":
+        resume(layout, out, x, y, init)
+    if jax.process_count() > 1:
+        return  # the layout checks below run in the one-process job
+
+    batch_x = {k: v[:BATCH] for k, v in x.items()}
+    compiled = compile_train_step(model, batch_x, y[:BATCH])
+    report = {
+        "devices": len(keras.distribution.list_devices()),
+        "dropped_ids": model.optimizer.dropped_ids(),
+        "tables": {},
+        "collectives": [[c.kind, c.shapes, c.nbytes] for c in collectives(compiled.as_text())],
+        "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+        "argument_bytes": compiled.memory_analysis().argument_size_in_bytes,
+    }
+    for name in TABLES:
+        variables = table_state(model, name)
+        report["tables"][name] = {
+            "paths": [v.path for v in variables],
+            "total_bytes": int(sum(np.asarray(v.value).nbytes for v in variables)),
+            "bytes_per_device": sorted(bytes_per_device(variables).values()),
+            "shard_shapes": {v.path: sorted({tuple(s.data.shape)
+                                             for s in v.value.addressable_shards})
+                             for v in variables},
+        }
+    if layout != "single":
+        # The same step with every table 8x larger: what moves between
+        # devices must not grow with the vocabulary.
+        big = build_model(layout, scale=8)
+        big.optimizer.build(big.trainable_variables)
+        big_step = compile_train_step(big, batch_x, y[:BATCH])
+        report["collectives_8x_rows"] = [[c.kind, c.shapes, c.nbytes]
+                                         for c in collectives(big_step.as_text())]
+        report["temp_bytes_8x_rows"] = big_step.memory_analysis().temp_size_in_bytes
+        # Control for the checks: a step that does gather a whole table.
+        table = big.get_layer("user").embeddings.value
+        everywhere = jax.sharding.NamedSharding(table.sharding.mesh,
+                                                jax.sharding.PartitionSpec())
+        gathered = jax.jit(lambda t: t * 2, out_shardings=everywhere).lower(table).compile()
+        report["control_collectives"] = [[c.kind, c.shapes, c.nbytes]
+                                         for c in collectives(gathered.as_text())]
+        # A table large enough that Keras creates it on its devices with a
+        # jitted initializer (over 250 MB if it were on every device).
+        large = sparseopt.layers.SparseEmbedding(1 << 20, 8, sparseopt.updaters.SGD(0.1),
+                                                 name="large")
+        large.build()
+        report["large_table_shards"] = sorted({tuple(s.data.shape) for s in
+                                               large.embeddings.value.addressable_shards})
+        try:  # rows that do not split evenly: refused before anything is created
+            sparseopt.layers.SparseEmbedding(1001, 8, sparseopt.updaters.SGD(0.1),
+                                             name="uneven").build()
+            report["uneven_table"] = "created"
+        except ValueError as e:
+            report["uneven_table"] = str(e)
+    with open(os.path.join(out, f"{layout}.json"), "w") as f:
+        json.dump(report, f)
+
+
+def resume(layout, out, x, y, init):
+    """Half the steps, a checkpoint, a new model restored from it, the other half.
+
+    One process: `model.save` and `load_model`. Several: Keras'
+    `OrbaxCheckpoint` and `load_weights` (`model.save` needs every shard in
+    one process, which Keras cannot fetch across hosts).
+    """
+    half = len(y) // 2
+    first = build_model(layout)
+    first.set_weights(init)
+    fit = dict(batch_size=BATCH // jax.process_count(), shuffle=False, verbose=0)
+    if jax.process_count() == 1:
+        first.fit({k: v[:half] for k, v in x.items()}, y[:half], **fit)
+        path = os.path.join(out, f"{layout}_half.keras")
+        first.save(path)
+        keras.backend.clear_session()
+        keras.distribution.set_distribution(distribution(layout))
+        model = keras.saving.load_model(path)
+    else:
+        saver = keras.callbacks.OrbaxCheckpoint(os.path.join(out, f"{layout}_orbax"))
+        first.fit({k: v[:half] for k, v in x.items()}, y[:half], callbacks=[saver], **fit)
+        saver.wait_until_finished()
+        try:  # one file from one of several processes: refused, with the way out
+            sparseopt.saving.save_model(first, os.path.join(out, "one_file.keras"))
+            refused = "saved"
+        except ValueError as e:
+            refused = str(e)
+        if jax.process_index() == 0:
+            with open(os.path.join(out, "one_file_save.txt"), "w") as f:
+                f.write(refused)
+        model = build_model(layout)
+        model.optimizer.build(model.trainable_variables)
+        model.load_weights(os.path.join(out, f"{layout}_orbax"))
+    model.fit({k: v[half:] for k, v in x.items()}, y[half:], **fit)
+    saved = {f"w:{v.path}": to_numpy(v.value) for v in model.weights}
+    saved.update({f"opt:{v.path}": to_numpy(v.value) for v in model.optimizer.variables
+                  if "dedup_workspace" not in v.path})
+    saved["shards"] = np.array(sorted(
+        {s.data.shape for v in table_state(model, "user")[:2] for s in v.value.addressable_shards}))
+    if jax.process_index() == 0:
+        np.savez(os.path.join(out, f"{layout}_resumed.npz"), **saved)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
+    args = parser.parse_args()
+    if "KERAS_DISTRIBUTION_NUM_PROCESSES" in os.environ:
+        keras.distribution.initialize()  # multi-host: configuration only
+    x, y = data()
+    init = [np.asarray(w) for w in build_model().get_weights()]
+    if jax.process_index() == 0:
+        np.savez(os.path.join(args.out, "init.npz"), *init)
+    for layout in args.layouts:
+        run(layout, args.out, x, y, init)
+        print("done", layout, flush=True)
+
+
+if __name__ == "__main__":
+    main()
