@@ -65,6 +65,16 @@ def synthetic_clicks(num_examples, table_sizes, seed=0):
     return {"dense": dense, "ids": ids}, clicks[:, None], prob[:, None].astype("float32")
 
 
+VALIDATION_EXAMPLES = 50_000
+
+
+def split_at(data, n):
+    """`(first n examples, the rest)` of an array or of a dict of arrays."""
+    if isinstance(data, dict):
+        return {k: v[:n] for k, v in data.items()}, {k: v[n:] for k, v in data.items()}
+    return data[:n], data[n:]
+
+
 def mlp(x, units, name):
     for i, u in enumerate(units):
         x = keras.layers.Dense(u, activation="relu", name=f"{name}_{i}")(x)
@@ -158,11 +168,8 @@ def main():
     args = parser.parse_args()
     keras.utils.set_random_seed(0)
     sizes = [max(4, int(s * args.scale)) for s in TABLE_SIZES]
-    val_n = 50_000
-    x, y, prob = synthetic_clicks(args.examples + val_n, sizes)
-    train_x = {k: v[:args.examples] for k, v in x.items()}
-    val_x = {k: v[args.examples:] for k, v in x.items()}
-    train_y, val_y = y[:args.examples], y[args.examples:]
+    x, y, prob = synthetic_clicks(args.examples + VALIDATION_EXAMPLES, sizes)
+    (train_x, val_x), (train_y, val_y) = split_at(x, args.examples), split_at(y, args.examples)
 
     print(f"sparseopt {sparseopt.__version__} on Keras {keras.__version__} "
           f"({keras.backend.backend()} backend)")

@@ -34,8 +34,8 @@ import numpy as np  # noqa: E402
 
 import sparseopt  # noqa: E402
 from dlrm_synthetic import (  # noqa: E402
-    NUM_DENSE, TABLE_SIZES, dot_interaction, mlp, state_bytes, synthetic_clicks, time_steps,
-    train_in_chunks)
+    NUM_DENSE, TABLE_SIZES, VALIDATION_EXAMPLES, dot_interaction, mlp, split_at, state_bytes,
+    synthetic_clicks, time_steps, train_in_chunks)
 
 
 def table_optimizer(rows):
@@ -79,12 +79,9 @@ def main():
     args = parser.parse_args()
     keras.utils.set_random_seed(0)
     sizes = [max(4, int(s * args.scale)) for s in TABLE_SIZES]
-    val_n = 50_000
-    x, y, prob = synthetic_clicks(args.examples + val_n, sizes)
+    x, y, prob = synthetic_clicks(args.examples + VALIDATION_EXAMPLES, sizes)
     x = as_features(x)
-    train_x = {k: v[:args.examples] for k, v in x.items()}
-    val_x = {k: v[args.examples:] for k, v in x.items()}
-    train_y, val_y = y[:args.examples], y[args.examples:]
+    (train_x, val_x), (train_y, val_y) = split_at(x, args.examples), split_at(y, args.examples)
 
     print(f"keras-rs {keras_rs.__version__} DistributedEmbedding + sparseopt "
           f"{sparseopt.__version__} ({keras.backend.backend()} backend, CPU: tables on "

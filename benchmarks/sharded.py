@@ -1,0 +1,250 @@
+"""Row-sharded tables on 1, 2, 4 and 8 simulated devices, at a fixed total size.
+
+Two tables (`big`: row-wise Adagrad, `mid`: Adagrad, a quarter of `big`'s
+rows), bags of ids from a skewed distribution, a Dense tower with Adam. Each
+device count runs in its own process (JAX fixes the device count at start;
+`--xla_force_host_platform_device_count`), with the tables row-sharded by
+`sparseopt.distribution.row_sharded` (1 device: no distribution). The
+processes are timed round-robin, side by side, and each reports:
+
+- median ms per step of the compiled train step (state donated, as `fit`);
+- bytes per device of the tables and their optimizer state (shards held);
+- the compiled step's scratch memory per device (XLA's memory analysis);
+- bytes each device receives in collectives per step (from the HLO), and
+  whether any collective carries a table-sized array.
+
+From the measured per-row state bytes and per-id collective bytes it prints
+the estimate for a large table (default 1e9 rows x 128) used in
+docs/scaling.md. Simulated devices share this machine's cores: the step
+times show the cost of sharding on one host, not a speed-up.
+
+    python benchmarks/sharded.py                 # 4M + 1M rows x 32, ~3 min
+    python benchmarks/sharded.py --rows 1000000 --rounds 3   # quick
+
+Writes benchmarks/results/sharded.json and sharded.png.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from benchmarks.children import drive, memory_mb  # noqa: E402
+
+DEVICES = (1, 2, 4, 8)
+
+
+def child(args):
+    import jax
+    import keras
+    import numpy as np
+
+    import sparseopt
+    from sparseopt.distribution import (bytes_per_device, collectives, compile_train_step,
+                                        step_inputs)
+
+    devices = jax.device_count()
+    if devices > 1:
+        keras.distribution.set_distribution(
+            sparseopt.distribution.row_sharded([r".*/embeddings"]))
+    keras.utils.set_random_seed(0)
+    tables = {"big": (args.rows, sparseopt.updaters.RowwiseAdagrad(0.05)),
+              "mid": (args.rows // 4, sparseopt.updaters.Adagrad(0.05))}
+    inputs, features = {}, []
+    for name, (rows, updater) in tables.items():
+        inputs[f"{name}_ids"] = keras.Input((args.bag,), dtype="int32", name=f"{name}_ids")
+        features.append(sparseopt.layers.SparseEmbedding(
+            rows, args.width, updater, combiner="sum", name=name)(inputs[f"{name}_ids"]))
+    x = keras.layers.Dense(64, activation="relu")(keras.layers.Concatenate()(features))
+    model = keras.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam(1e-3)),
+                  loss=keras.losses.BinaryCrossentropy(from_logits=True))
+    model.optimizer.build(model.trainable_variables)
+
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(4):
+        xb = {f"{name}_ids": (rng.zipf(1.2, (args.batch, args.bag)) % rows).astype("int32")
+              for name, (rows, _) in tables.items()}
+        batches.append((xb, (rng.random((args.batch, 1)) < 0.3).astype("float32")))
+    compiled = compile_train_step(model, *batches[0])
+    inputs = [step_inputs(model, xb, yb)[1] for xb, yb in batches]
+    state = step_inputs(model, *batches[0])[0]
+
+    held = bytes_per_device(
+        [model.get_layer(n).embeddings for n in tables]
+        + [v for v in model.optimizer.variables if "_embeddings_" in v.path])
+    moved = collectives(compiled.as_text())
+    largest_table_rows = {rows // devices for rows, _ in tables.values()}
+    result = {
+        "devices": devices,
+        "table_and_state_bytes_per_device": max(held.values()),
+        "scratch_bytes_per_device": compiled.memory_analysis().temp_size_in_bytes,
+        "collective_bytes_per_device": sum(c.nbytes for c in moved),
+        "collectives": len(moved),
+        "table_sized_collectives": sum(
+            1 for c in moved for s in c.shapes if s and s[0] in largest_table_rows),
+        "ids_per_step": args.batch * args.bag * len(tables),
+        "times_ms": [],
+    }
+    for _ in range(3):  # warm-up
+        _, state = compiled(state, inputs[0])
+    jax.block_until_ready(state)
+    print("ready", flush=True)
+    step = 0
+    for line in sys.stdin:
+        if line.strip() == "time":
+            times = []
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                logs, state = compiled(state, inputs[step % len(inputs)])
+                jax.block_until_ready(logs)
+                times.append(time.perf_counter() - start)
+                step += 1
+            result["times_ms"].append(1e3 * statistics.median(times[args.steps // 3:]))
+            print("ok", flush=True)
+        elif line.strip() == "result":
+            result["rss_mb"] = memory_mb("VmRSS:")
+            print(json.dumps(result), flush=True)
+            return
+
+
+def estimate(results, args):
+    """What a `rows x width` table needs, from the measured per-row figures."""
+    one = next(r for r in results if r["devices"] == 1)
+    eight = max(results, key=lambda r: r["devices"])
+    # Bytes per row: the row (4 * width), the dedup workspace (4) and the
+    # rule's state (row-wise Adagrad 4, Adagrad 4 * width, FTRL 8 * width).
+    # The formula must give the measured bytes (plus two 4-byte skip
+    # counters) before it is used at another width.
+    expected = (args.rows * (4 * args.width + 8)
+                + args.rows // 4 * (8 * args.width + 4)) + 2 * 4
+    measured = one["table_and_state_bytes_per_device"]
+    if measured != expected:
+        print(f"WARNING: measured state {measured} B != per-row formula {expected} B")
+    per_row = {"sgd": 4 * args.est_width + 4, "rowwise_adagrad": 4 * args.est_width + 8,
+               "adagrad": 8 * args.est_width + 4, "ftrl": 12 * args.est_width + 4}
+    # Collective bytes per looked-up id and per width element, measured.
+    per_id_elem = eight["collective_bytes_per_device"] / (eight["ids_per_step"] * args.width)
+    ids = args.est_batch * args.est_ids_per_example
+    usable = args.device_gb * 1e9 * 0.8  # leave 20% for activations and XLA scratch
+    out = {"measured_state_bytes": measured, "formula_state_bytes": expected,
+           "measured_collective_bytes_per_id_per_width": per_id_elem,
+           "per_row_bytes": per_row, "rows": args.est_rows, "width": args.est_width,
+           "global_ids_per_step": ids, "options": {}}
+    for rule, b in per_row.items():
+        total = args.est_rows * b
+        least = int(-(-total // usable))
+        nodes = -(-least // args.devices_per_node)  # whole hosts
+        devices = nodes * args.devices_per_node
+        out["options"][rule] = {"state_gb": total / 1e9, "least_devices": least,
+                                "devices": devices, "hosts": nodes,
+                                "gb_per_device": total / devices / 1e9}
+    out["collective_gb_per_device_per_step"] = per_id_elem * ids * args.est_width / 1e9
+    out["single_device_ms_per_1k_ids"] = min(one["times_ms"]) / one["ids_per_step"] * 1e3
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=4_000_000, help="rows of `big`")
+    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--bag", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=30, help="steps per timing")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--est-rows", type=float, default=1e9)
+    parser.add_argument("--est-width", type=int, default=128)
+    parser.add_argument("--est-batch", type=int, default=65536)
+    parser.add_argument("--est-ids-per-example", type=int, default=26)
+    parser.add_argument("--device-gb", type=float, default=80, help="memory per device")
+    parser.add_argument("--devices-per-node", type=int, default=8)
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "sharded.json"))
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+
+    argv = [sys.executable, __file__, "--child", "--rows", str(args.rows), "--width",
+            str(args.width), "--batch", str(args.batch), "--bag", str(args.bag),
+            "--steps", str(args.steps)]
+    children = []
+    for n in DEVICES:
+        env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3",
+                   XLA_FLAGS=f"--xla_force_host_platform_device_count={n}",
+                   PYTHONPATH=os.path.dirname(HERE))
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True)
+        line = proc.stdout.readline().strip()
+        assert line == "ready", f"{n} devices: child said {line!r}"
+        children.append(proc)
+    results = drive(children, args.rounds, cooldown_s=0.5)
+
+    base = statistics.median(results[0]["times_ms"])
+    print(f"\nTables: {args.rows:,} + {args.rows // 4:,} rows x {args.width}; "
+          f"batch {args.batch} x {args.bag} ids per table; median of {args.rounds} rounds\n")
+    print("| Devices | ms/step | vs 1 device | tables+state per device (MB) | vs 1 device "
+          "| step scratch per device (MB) | collective bytes per device per step (KB) "
+          "| table-sized collectives |")
+    print("|---|---|---|---|---|---|---|---|")
+    held1 = results[0]["table_and_state_bytes_per_device"]
+    for r in results:
+        ms = statistics.median(r["times_ms"])
+        held = r["table_and_state_bytes_per_device"]
+        print(f"| {r['devices']} | {ms:.2f} | {ms / base:.2f}x | {held / 1e6:.1f} "
+              f"| {held / held1:.3f} | {r['scratch_bytes_per_device'] / 1e6:.2f} "
+              f"| {r['collective_bytes_per_device'] / 1e3:.0f} "
+              f"| {r['table_sized_collectives']} |")
+    est = estimate(results, args)
+    print(f"\nEstimate for {args.est_rows:.0e} rows x {args.est_width}, "
+          f"{args.device_gb:.0f} GB devices (80% usable), "
+          f"{est['global_ids_per_step']:,} ids per step:")
+    print(f"  measured state at 1 device: {est['measured_state_bytes']:,} B "
+          f"(per-row formula: {est['formula_state_bytes']:,} B)")
+    for rule, o in est["options"].items():
+        print(f"  {rule}: {o['state_gb']:.0f} GB of table+state -> at least "
+              f"{o['least_devices']} devices; {o['hosts']} hosts of {args.devices_per_node}: "
+              f"{o['devices']} devices, {o['gb_per_device']:.1f} GB each")
+    print(f"  collectives: {est['measured_collective_bytes_per_id_per_width']:.1f} B per id "
+          f"per width element -> {est['collective_gb_per_device_per_step']:.2f} GB of "
+          "collective results per device per step")
+    print(f"  work: {est['single_device_ms_per_1k_ids']:.3f} ms per 1k ids per step on one "
+          "CPU device (each shard processes every id of the step)")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "results": results, "estimate": est}, f, indent=1)
+    plot(results, args.out.replace(".json", ".png"))
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = [r["devices"] for r in results]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    a.plot(n, [statistics.median(r["times_ms"]) for r in results], "o-")
+    a.set_xscale("log", base=2)
+    a.set(xticks=n, xticklabels=n, xlabel="simulated devices (one host, 2 cores)",
+          ylabel="ms per step", title="Step time, fixed total table size")
+    held = [r["table_and_state_bytes_per_device"] / 1e6 for r in results]
+    b.plot(n, held, "o-", label="measured")
+    b.plot(n, [held[0] / d for d in n], "k:", label="1/devices")
+    b.set_xscale("log", base=2)
+    b.set_yscale("log", base=2)
+    b.set(xticks=n, xticklabels=n, yticks=held, yticklabels=[f"{h:.0f}" for h in held],
+          xlabel="devices", ylabel="MB per device", title="Tables + optimizer state per device")
+    for ax in (a, b):
+        ax.minorticks_off()
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
