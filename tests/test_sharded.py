@@ -118,6 +118,16 @@ def test_each_device_holds_its_share_of_every_table_and_its_state(runs, job, lay
 
 
 @pytest.mark.parametrize("layout", SHARDED)
+def test_tables_and_state_are_updated_in_place_on_each_device(runs, layout):
+    """Donated buffers that XLA writes in place (aliased to the step's outputs) cover
+    every device's blocks of every table and its state."""
+    report = _report(runs, layout)
+    held = sum(max(info["bytes_per_device"]) for info in report["tables"].values())
+    assert report["alias_bytes"] >= held
+    assert report["argument_bytes"] - report["alias_bytes"] < held / 4
+
+
+@pytest.mark.parametrize("layout", SHARDED)
 def test_large_tables_are_created_sharded(runs, layout):
     """Keras jits the initializer of large sharded variables (SparseEmbedding's too)."""
     want = {"rows8": (1 << 17, 8), "rows2x4": (1 << 18, 8), "cols2x4": (1 << 20, 2),

@@ -154,6 +154,7 @@ def run(layout, out, x, y, init):
         "collectives": [[c.kind, c.shapes, c.nbytes] for c in collectives(compiled.as_text())],
         "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
         "argument_bytes": compiled.memory_analysis().argument_size_in_bytes,
+        "alias_bytes": compiled.memory_analysis().alias_size_in_bytes,
     }
     for name in TABLES:
         variables = table_state(model, name)
