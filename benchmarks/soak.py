@@ -112,7 +112,13 @@ def child(args):
 
 
 def verdict(result):
-    """Memory growth after warm-up and whether it is flat."""
+    """Memory growth after warm-up and whether it is flat.
+
+    Flat: the slope is under 1 MB per 10k steps and the growth under 2%.
+    A total growth under 1 MB is flat whatever its slope: RSS moves by
+    allocator pages, and in a short run one such step between two samples
+    would be a steep slope (the 7k-step smoke test failed so, under load).
+    """
     import numpy as np
 
     after = [s for s in result["samples"] if s["step"] > WARMUP_STEPS]
@@ -125,7 +131,7 @@ def verdict(result):
     return {"slope_mb_per_10k_steps": slope, "growth_mb": growth,
             "growth_pct": 100 * growth / rss[0], "rss_first_mb": float(rss[0]),
             "rss_last_mb": float(rss[-1]),
-            "flat": bool(slope < 1.0 and growth < 0.02 * rss[0])}
+            "flat": bool((slope < 1.0 or growth < 1.0) and growth < 0.02 * rss[0])}
 
 
 def plot(results, path):

@@ -94,6 +94,10 @@ def test_soak_runs_end_to_end_and_judges_memory(tmp_path):
     assert (tmp_path / "soak.png").exists()
     growing = {"samples": [{"step": s, "rss_mb": 1000 + s / 100} for s in range(1000, 20001, 1000)]}
     assert soak.verdict(growing)["flat"] is False  # 100 MB per 10k steps
+    leak = {"samples": [{"step": s, "rss_mb": 1000 + s / 5_000} for s in range(1000, 100001, 1000)]}
+    assert soak.verdict(leak)["flat"] is False  # 2 MB per 10k steps: under 2% in all
+    page = {"samples": [{"step": s, "rss_mb": 1000 + 0.2 * (s > 6000)} for s in (6000, 7000)]}
+    assert soak.verdict(page)["flat"] is True  # one 0.2 MB step in a short run
 
 
 @pytest.mark.skipif(__import__("keras").backend.backend() != "jax",
