@@ -17,10 +17,10 @@ import keras
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.skipif(
-    keras.backend.backend() != "jax",
-    reason="keras.distribution shards variables on JAX; TensorFlow strategies are "
-           "refused (test_hostile_inputs.py::test_tf_strategy_replicas_are_refused)")
+if keras.backend.backend() != "jax":
+    pytest.skip("keras.distribution shards variables on JAX; TensorFlow strategies are "
+                "refused (test_hostile_inputs.py::test_tf_strategy_replicas_are_refused)",
+                allow_module_level=True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARDED = ("rows8", "rows2x4", "cols2x4", "data8")
