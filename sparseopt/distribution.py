@@ -2,10 +2,12 @@
 
 A table is sharded the way Keras shards any variable: by its path in a
 `keras.distribution.LayoutMap`. `DispatchOptimizer` then places each
-updater's state exactly like its table (`layout_like`), and the sparse update
-compiles, under the distribution's one global program (GSPMD), into a local
-gather / rule / scatter on each shard: no device ever holds or receives the
-whole table. `row_sharded` builds the usual recommender layout in one call.
+updater's state exactly like its table (`layout_like`). A table split by
+rows is updated on each shard, in place, for the ids that shard owns
+(`backend.on_row_shards`); other layouts are left to XLA's partitioner. No
+device ever holds or receives a whole table. `row_sharded` builds the usual
+recommender layout in one call; the functions at the end check what a
+compiled step moves and holds.
 """
 
 import collections

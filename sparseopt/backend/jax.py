@@ -163,10 +163,11 @@ def _put_rows(out, block, start):
 
 
 def row_shards(variable):
-    """`(mesh, axis)` if `variable`'s rows are split evenly over one mesh axis.
+    """`(mesh, axis)` if `variable`'s rows are split over one mesh axis.
 
-    None otherwise (one device, replicated, split by columns, or uneven):
-    then the update is left to XLA's partitioner, which is also correct.
+    None otherwise (one device, replicated, split by columns): then the
+    update is left to XLA's partitioner, which is also correct. (JAX places
+    arrays only in equal blocks, so the split is even.)
     """
     # A keras.distribution TensorLayout (the state is laid out like it).
     sharding = getattr(getattr(variable, "_layout", None), "backend_layout", None)
@@ -175,8 +176,6 @@ def row_shards(variable):
     spec = tuple(sharding.spec)
     axis = spec[0] if spec else None
     if not isinstance(axis, str) or any(s is not None for s in spec[1:]):
-        return None
-    if variable.shape[0] % sharding.mesh.shape[axis]:
         return None
     return sharding.mesh, axis
 
