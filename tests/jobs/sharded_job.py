@@ -129,15 +129,21 @@ def to_numpy(value):
     return np.asarray(value)
 
 
+def everything(model):
+    """Every weight and every optimizer state variable (not the dedup scratch), by path."""
+    saved = {f"w:{v.path}": to_numpy(v.value) for v in model.weights}
+    saved.update({f"opt:{v.path}": to_numpy(v.value) for v in model.optimizer.variables
+                  if "dedup_workspace" not in v.path})
+    return saved
+
+
 def run(layout, out, x, y, init):
     model = build_model(layout)
     model.set_weights(init)
     x, y = {k: this_process(v) for k, v in x.items()}, this_process(y)
     local_batch = BATCH // jax.process_count()
     model.fit(x, y, batch_size=local_batch, epochs=1, shuffle=False, verbose=0)
-    saved = {f"w:{v.path}": to_numpy(v.value) for v in model.weights}
-    saved.update({f"opt:{v.path}": to_numpy(v.value) for v in model.optimizer.variables
-                  if "dedup_workspace" not in v.path})
+    saved = everything(model)
     if jax.process_index() == 0:
         np.savez(os.path.join(out, f"{layout}.npz"), **saved)
     if layout == "rows8":
@@ -233,9 +239,7 @@ def resume(layout, out, x, y, init):
         model.optimizer.build(model.trainable_variables)
         model.load_weights(os.path.join(out, f"{layout}_orbax"))
     model.fit({k: v[half:] for k, v in x.items()}, y[half:], **fit)
-    saved = {f"w:{v.path}": to_numpy(v.value) for v in model.weights}
-    saved.update({f"opt:{v.path}": to_numpy(v.value) for v in model.optimizer.variables
-                  if "dedup_workspace" not in v.path})
+    saved = everything(model)
     saved["shards"] = np.array(sorted(
         {s.data.shape for v in table_state(model, "user")[:2] for s in v.value.addressable_shards}))
     if jax.process_index() == 0:
