@@ -8,7 +8,7 @@ export PYTHONWARNINGS ?= ignore::DeprecationWarning
 # Backend of `make demo` and `make bench`: `make demo BACKEND=tensorflow`.
 BACKEND ?= jax
 
-.PHONY: demo test test-jax test-tensorflow bench bench-quick bench-peers env clean
+.PHONY: demo test test-all test-jax test-tensorflow bench bench-quick bench-peers env clean
 
 env: $(STAMP)
 
@@ -21,13 +21,31 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	KERAS_BACKEND=$(BACKEND) $(BIN)/python examples/dlrm_synthetic.py
 
-test: test-jax test-tensorflow
+# `make test`: the whole suite on JAX and on TensorFlow. Tests marked
+# `backend_independent` (configuration round trips; child processes that pick
+# their own backend) run once, in the TensorFlow session, the shorter one.
+# `make test-all`: the same with the thorough property tests (1000 Hypothesis
+# examples per backend instead of 200).
+PYTEST_ARGS ?=
+
+# The two backends run side by side (each suite keeps about one core busy),
+# each printing its whole output when it ends.
+test: $(STAMP)
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-jax test-tensorflow
+
+test-all: $(STAMP)
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-jax test-tensorflow \
+		PYTEST_ARGS="--hypothesis-profile=full"
 
 test-jax: $(STAMP)
-	KERAS_BACKEND=jax $(BIN)/python -m pytest
+	mkdir -p .pytest_tmp
+	KERAS_BACKEND=jax $(BIN)/python -m pytest --basetemp=.pytest_tmp/jax \
+		-m "not backend_independent" $(PYTEST_ARGS)
 
 test-tensorflow: $(STAMP)
-	KERAS_BACKEND=tensorflow $(BIN)/python -m pytest
+	mkdir -p .pytest_tmp
+	KERAS_BACKEND=tensorflow $(BIN)/python -m pytest --basetemp=.pytest_tmp/tensorflow \
+		$(PYTEST_ARGS)
 
 # The benchmark suite (docs/benchmarks.md): full run ~45 min, quick < 3 min.
 bench: $(STAMP)
@@ -41,4 +59,4 @@ bench-peers: $(STAMP)
 	$(BIN)/python -m pip install -q torch==2.13.0 fbgemm-gpu-cpu==1.8.0
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) .pytest_cache .pytest_tmp .hypothesis *.egg-info

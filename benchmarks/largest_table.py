@@ -24,8 +24,8 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).parent
-sys.path.insert(0, str(HERE))
-from children import memory_mb  # noqa: E402
+import common
+from children import memory_mb
 ROWS = 2**27
 WIDTH, IDS, BATCH, STEPS = 32, 16, 1024, 200
 
@@ -38,23 +38,15 @@ def child(library, rows):
     import sparseopt
 
     keras.utils.set_random_seed(0)
-    ids = keras.Input((IDS,), dtype="int32")
     started = time.perf_counter()
-    if library == "sparseopt":
-        x = sparseopt.layers.SparseEmbedding(
-            rows, WIDTH, updater=sparseopt.updaters.RowwiseAdagrad(0.05), combiner="sum",
-            name="emb")(ids)
-        optimizer = sparseopt.DispatchOptimizer(keras.optimizers.Adam(1e-3))
-    else:
-        x = keras.ops.sum(keras.layers.Embedding(rows, WIDTH, name="emb")(ids), axis=1)
-        optimizer = keras.optimizers.MultiOptimizer(keras.optimizers.OptimizerMap(
-            keras.optimizers.Adam(1e-3), {"emb/embeddings": keras.optimizers.Adam(0.05)}))
-    model = keras.Model(ids, keras.layers.Dense(1, name="out")(x))
-    model.compile(optimizer=optimizer, loss="mse")
+    sparse = library == "sparseopt"
+    rule = sparseopt.updaters.RowwiseAdagrad(0.05) if sparse else keras.optimizers.Adam(0.05)
+    model = common.recommender({"emb": (rows, rule, IDS)}, WIDTH, sparse=sparse)
+    optimizer = model.optimizer
     print(json.dumps({"event": "built", "seconds": time.perf_counter() - started}), flush=True)
     rng = np.random.default_rng(0)
-    hot = rng.choice(rows, size=8192, replace=False)
-    xs = hot[rng.integers(0, hot.size, size=(BATCH * STEPS, IDS))].astype("int32")
+    hot = common.hot_set(rng, rows)
+    xs = common.hot_ids(rng, rows, (BATCH * STEPS, IDS), hot=hot)
     # A target the model can learn: a fixed random score per hot row.
     score = dict(zip(hot.tolist(), rng.normal(size=hot.size) * 0.1))
     ys = np.vectorize(score.get)(xs).sum(axis=1, keepdims=True).astype("float32")

@@ -27,11 +27,12 @@ import time
 
 import numpy as np
 
+import common
 from children import memory_mb, reset_peak_memory
 
 WIDTH = 32
 IDS_PER_EXAMPLE = 16
-HOT_ROWS = 8192  # every batch draws its ids from this many rows: equal work at any size
+HOT_ROWS = common.HOT_ROWS  # every batch draws its ids from this many rows: equal work
 N_BATCHES = 8
 TABLE_LR = 0.05
 DENSE_LR = 1e-3
@@ -55,8 +56,8 @@ PROCESS_GB = {"jax": 1.0, "tensorflow": 1.2, "torch": 0.6}
 def make_batches(rows, batch, seed=0):
     """`N_BATCHES` batches of hot ids (int32 `[batch, 16]`) and targets."""
     rng = np.random.default_rng(seed)
-    hot = rng.choice(rows, size=min(HOT_ROWS, rows), replace=False)
-    xs = [hot[rng.integers(0, hot.size, size=(batch, IDS_PER_EXAMPLE))].astype("int32")
+    hot = common.hot_set(rng, rows, HOT_ROWS)
+    xs = [common.hot_ids(rng, rows, (batch, IDS_PER_EXAMPLE), hot=hot)
           for _ in range(N_BATCHES)]
     ys = [rng.normal(size=(batch, 1)).astype("float32") for _ in range(N_BATCHES)]
     return xs, ys
@@ -78,35 +79,29 @@ def build_keras(peer, rows, batch):
     """Model + optimizer for a `sparseopt-*` or `keras-*` peer."""
     import keras
 
-    import sparseopt
-
     keras.utils.set_random_seed(0)
-    ids = keras.Input((IDS_PER_EXAMPLE,), dtype="int32")
     kind, name = peer.split("-", 1)
     if kind == "sparseopt":
-        x = sparseopt.layers.SparseEmbedding(rows, WIDTH, updater=_updater(name),
-                                             combiner="sum", name="emb")(ids)
-        optimizer = sparseopt.DispatchOptimizer(keras.optimizers.Adam(DENSE_LR))
+        rule = _updater(name)
     else:
-        x = keras.ops.sum(keras.layers.Embedding(rows, WIDTH, name="emb")(ids), axis=1)
-        table_opt = {"adagrad": keras.optimizers.Adagrad, "adam": keras.optimizers.Adam}[name]
-        optimizer = keras.optimizers.MultiOptimizer(keras.optimizers.OptimizerMap(
-            keras.optimizers.Adam(DENSE_LR), {"emb/embeddings": table_opt(TABLE_LR)}))
-    model = keras.Model(ids, keras.layers.Dense(1, name="out")(x))
-    model.compile(optimizer=optimizer, loss="mse")
-    return model
+        rule = {"adagrad": keras.optimizers.Adagrad, "adam": keras.optimizers.Adam}[name](TABLE_LR)
+    return common.recommender({"emb": (rows, rule, IDS_PER_EXAMPLE)}, WIDTH,
+                              sparse=kind == "sparseopt",
+                              dense_optimizer=keras.optimizers.Adam(DENSE_LR))
 
 
 def keras_state_bytes(model, rows):
     """Optimizer bytes by kind: table state, from the dense optimizer, scratch."""
     table_state = dense_for_table = workspace = other = 0
     optimizer = model.optimizer
-    dense_opts = getattr(optimizer, "_dense_optimizers", None)
+    dense_opts = getattr(optimizer, "dense_optimizers", None)
     dense_ids = {id(v) for o in dense_opts for v in o.variables} if dense_opts else set()
+    scratch = getattr(optimizer, "scratch_variables", list)()
+    scratch_ids = {id(v) for v in scratch}
     for v in optimizer.variables:
         nbytes = int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
         table_sized = len(v.shape) > 0 and v.shape[0] == rows
-        if "dedup_workspace" in v.path:
+        if id(v) in scratch_ids:
             workspace += nbytes
         elif table_sized and id(v) in dense_ids:
             dense_for_table += nbytes
@@ -121,9 +116,9 @@ def keras_state_bytes(model, rows):
 def jax_step(model, xs, ys):
     import jax
 
-    model._symbolic_build(data_batch=(xs[0], ys[0]))
-    state = [tuple(model._get_jax_state(trainable_variables=True, non_trainable_variables=True,
-                                        optimizer_variables=True, metrics_variables=True))]
+    from sparseopt import compat
+
+    state = [compat.jax_train_state(model, (xs[0], ys[0]))]
     step = jax.jit(model.train_step, donate_argnums=0)
     data = [(jax.device_put(x), jax.device_put(y)) for x, y in zip(xs, ys)]
     counter = [0]

@@ -28,13 +28,13 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-import peers  # noqa: E402
-import report  # noqa: E402
-from children import drive  # noqa: E402
+import peers
+import report
+from children import drive
 
 HERE = pathlib.Path(__file__).parent
 RESULTS = HERE / "results"
+QUICK_RESULTS = RESULTS / "quick"  # untracked (.gitignore)
 SIZES = [10_000, 100_000, 1_000_000, 4_000_000, 20_000_000]
 QUICK_SIZES = [10_000, 100_000, 1_000_000]
 BATCHES = [256, 1024, 4096, 16384]
@@ -194,14 +194,16 @@ def main():
         "seconds": time.time() - start,
     }
     data["targets"] = report.targets(data)
-    RESULTS.mkdir(exist_ok=True)
+    # A quick run checks the suite; it never replaces the tracked full results.
+    out = QUICK_RESULTS if args.quick else RESULTS
+    out.mkdir(parents=True, exist_ok=True)
     stem = "run_quick" if args.quick else "run"
-    (RESULTS / f"{stem}.json").write_text(json.dumps(data, indent=1))
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
     print()
     print(report.markdown(data))
-    for path in report.plots(data, RESULTS, stem):
+    for path in report.plots(data, out, stem):
         print(f"wrote {path}")
-    print(f"wrote {RESULTS / (stem + '.json')} ({data['seconds'] / 60:.1f} min)")
+    print(f"wrote {out / (stem + '.json')} ({data['seconds'] / 60:.1f} min)")
 
 
 def versions():

@@ -33,8 +33,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-from benchmarks.children import drive, memory_mb  # noqa: E402
+import common
+from children import drive, memory_mb  # noqa: E402
 
 DEVICES = (1, 2, 4, 8)
 
@@ -53,34 +53,27 @@ def child(args):
         keras.distribution.set_distribution(
             sparseopt.distribution.row_sharded([r".*/embeddings"]))
     keras.utils.set_random_seed(0)
-    tables = {"big": (args.rows, sparseopt.updaters.RowwiseAdagrad(0.05)),
-              "mid": (args.rows // 4, sparseopt.updaters.Adagrad(0.05))}
-    inputs, features = {}, []
-    for name, (rows, updater) in tables.items():
-        inputs[f"{name}_ids"] = keras.Input((args.bag,), dtype="int32", name=f"{name}_ids")
-        features.append(sparseopt.layers.SparseEmbedding(
-            rows, args.width, updater, combiner="sum", name=name)(inputs[f"{name}_ids"]))
-    x = keras.layers.Dense(64, activation="relu")(keras.layers.Concatenate()(features))
-    model = keras.Model(inputs, keras.layers.Dense(1)(x))
-    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam(1e-3)),
-                  loss=keras.losses.BinaryCrossentropy(from_logits=True))
+    tables = {"big": (args.rows, sparseopt.updaters.RowwiseAdagrad(0.05), args.bag),
+              "mid": (args.rows // 4, sparseopt.updaters.Adagrad(0.05), args.bag)}
+    model = common.recommender(tables, args.width, top=(64,),
+                               loss=keras.losses.BinaryCrossentropy(from_logits=True))
     model.optimizer.build(model.trainable_variables)
 
     rng = np.random.default_rng(0)
     batches = []
     for _ in range(4):
-        xb = {f"{name}_ids": (rng.zipf(1.2, (args.batch, args.bag)) % rows).astype("int32")
-              for name, (rows, _) in tables.items()}
+        xb = {name: common.zipf_ids(rng, rows, (args.batch, args.bag), 1.2, start=0)
+              for name, (rows, _, _) in tables.items()}
         batches.append((xb, (rng.random((args.batch, 1)) < 0.3).astype("float32")))
     compiled = compile_train_step(model, *batches[0])
     inputs = [step_inputs(model, xb, yb)[1] for xb, yb in batches]
     state = step_inputs(model, *batches[0])[0]
 
     held = bytes_per_device(
-        [model.get_layer(n).embeddings for n in tables]
-        + [v for v in model.optimizer.variables if "_embeddings_" in v.path])
+        [v for n in tables for t in [model.optimizer.table_trainer(f"{n}_table/embeddings")]
+         for v in (t.table, *t.saved_variables, *t.scratch_variables)])
     moved = collectives(compiled.as_text())
-    largest_table_rows = {rows // devices for rows, _ in tables.values()}
+    largest_table_rows = {rows // devices for rows, _, _ in tables.values()}
     result = {
         "devices": devices,
         "table_and_state_bytes_per_device": max(held.values()),
@@ -153,6 +146,8 @@ def estimate(results, args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=4_000_000, help="rows of `big`")
+    parser.add_argument("--devices", type=int, nargs="*", default=list(DEVICES),
+                        help="simulated device counts to compare")
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--bag", type=int, default=8)
@@ -174,7 +169,7 @@ def main():
             str(args.width), "--batch", str(args.batch), "--bag", str(args.bag),
             "--steps", str(args.steps)]
     children = []
-    for n in DEVICES:
+    for n in args.devices:
         env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3",
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={n}",
                    PYTHONPATH=os.path.dirname(HERE))

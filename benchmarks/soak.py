@@ -26,8 +26,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-from benchmarks.children import memory_mb  # noqa: E402
+import common
+from children import memory_mb  # noqa: E402
 
 STEPS_PER_SAMPLE = 1000
 WARMUP_STEPS = 5000
@@ -46,18 +46,11 @@ def child(args):
                 "item": sparseopt.updaters.RowwiseAdagrad(0.05),
                 "ctx": sparseopt.updaters.Ftrl(0.05, l2_regularization_strength=1e-4)}
     keras.utils.set_random_seed(0)
-    inputs, pooled = {}, []
-    for name in rows:
-        inputs[name] = keras.Input((bags[name],), dtype="int32", name=name)
-        pooled.append(sparseopt.layers.SparseEmbedding(
-            rows[name], 32, updaters[name], combiner="mean", name=f"{name}_table",
-            embeddings_initializer=keras.initializers.RandomUniform(-0.01, 0.01))(inputs[name]))
-    inputs["dense"] = keras.Input((8,), name="dense")
-    bottom = keras.layers.Dense(32, "relu", name="bottom")(inputs["dense"])
-    x = keras.layers.Dense(64, "relu", name="top")(keras.layers.Concatenate()(pooled + [bottom]))
-    model = keras.Model(inputs, keras.layers.Dense(1, name="logit")(x))
-    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam(1e-3)),
-                  loss=keras.losses.BinaryCrossentropy(from_logits=True))
+    model = common.recommender(
+        {name: (rows[name], updaters[name], bags[name]) for name in rows}, 32,
+        combiner="mean", initializer=keras.initializers.RandomUniform(-0.01, 0.01),
+        dense_features=8, bottom=32, top=(64,),
+        loss=keras.losses.BinaryCrossentropy(from_logits=True))
 
     rng = np.random.default_rng(1)
     hidden = {name: rng.normal(0, 0.7, size=n).astype("float32") for name, n in rows.items()}
@@ -66,7 +59,7 @@ def child(args):
     def batch():
         feats, logit = {}, np.full(BATCH, -1.0, "float32")
         for name, n in rows.items():
-            ids = ((rng.zipf(1.15, size=(BATCH, bags[name])) - 1) % n).astype("int32")
+            ids = common.zipf_ids(rng, n, (BATCH, bags[name]), 1.15)
             feats[name] = ids
             logit += hidden[name][ids].mean(axis=1)
         feats["dense"] = rng.normal(size=(BATCH, 8)).astype("float32")

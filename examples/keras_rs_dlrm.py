@@ -23,17 +23,15 @@ i.e. keras-rs' fallback as it is: Adam trains every table densely.
 
 import argparse
 import os
-import sys
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import keras  # noqa: E402
 import keras_rs  # noqa: E402
 import numpy as np  # noqa: E402
 
 import sparseopt  # noqa: E402
-from dlrm_synthetic import (  # noqa: E402
+from dlrm_common import (  # noqa: E402
     NUM_DENSE, TABLE_SIZES, VALIDATION_EXAMPLES, dot_interaction, mlp, split_at, state_bytes,
     synthetic_clicks, time_steps, train_in_chunks)
 
@@ -71,6 +69,8 @@ def as_features(x):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--examples", type=int, default=1_200_000)
+    parser.add_argument("--validation", type=int, default=VALIDATION_EXAMPLES,
+                        help="held-out examples for the validation loss")
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--width", type=int, default=16)
@@ -79,7 +79,7 @@ def main():
     args = parser.parse_args()
     keras.utils.set_random_seed(0)
     sizes = [max(4, int(s * args.scale)) for s in TABLE_SIZES]
-    x, y, prob = synthetic_clicks(args.examples + VALIDATION_EXAMPLES, sizes)
+    x, y, prob = synthetic_clicks(args.examples + args.validation, sizes)
     x = as_features(x)
     (train_x, val_x), (train_y, val_y) = split_at(x, args.examples), split_at(y, args.examples)
 
@@ -92,8 +92,8 @@ def main():
                   metrics=[keras.metrics.AUC(name="auc")])
     model.optimizer.build(model.trainable_variables)
     kinds = {}
-    for table in optimizer._tables.values():
-        kinds.setdefault(repr(table.updater), []).append(table.variable.shape[0])
+    for table in optimizer.table_trainers.values():
+        kinds.setdefault(repr(table.updater), []).append(table.table.shape[0])
     print(f"{len(sizes)} tables, {sum(sizes):,} rows x {args.width}, each "
           "trained by its TableConfig.optimizer:")
     for kind, rows in kinds.items():

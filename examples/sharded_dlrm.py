@@ -19,7 +19,6 @@ and it calls `keras.distribution.initialize()` (docs/scaling.md).
 
 import argparse
 import os
-import sys
 
 
 def parse_args():
@@ -27,6 +26,8 @@ def parse_args():
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
     parser.add_argument("--min-rows", type=int, default=10_000, help="shard tables this large")
     parser.add_argument("--examples", type=int, default=1_200_000)
+    parser.add_argument("--validation", type=int, default=VALIDATION_EXAMPLES,
+                        help="held-out examples for the validation loss")
     parser.add_argument("--chunks", type=int, default=4, help="validation points in the pass")
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--width", type=int, default=16)
@@ -38,13 +39,12 @@ args = parse_args()
 # Sharding is keras.distribution's, i.e. JAX's; the device count is fixed at start.
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import sparseopt  # noqa: E402
-from dlrm_synthetic import (  # noqa: E402
+from dlrm_common import (  # noqa: E402
     TABLE_SIZES, VALIDATION_EXAMPLES, build_dlrm, split_at, synthetic_clicks, train_in_chunks)
 from sparseopt.distribution import (  # noqa: E402
     bytes_per_device, collectives, compile_train_step)
@@ -61,7 +61,7 @@ def main():
     keras.distribution.set_distribution(sparseopt.distribution.row_sharded(
         [f"table_{f}/embeddings" for f in sharded]))
 
-    x, y, _ = synthetic_clicks(args.examples + VALIDATION_EXAMPLES, sizes)
+    x, y, _ = synthetic_clicks(args.examples + args.validation, sizes)
     (train_x, val_x), (train_y, val_y) = split_at(x, args.examples), split_at(y, args.examples)
     print(f"sparseopt {sparseopt.__version__}, Keras {keras.__version__}, "
           f"{devices} {keras.distribution.list_devices()[0].split(':')[0]} devices")

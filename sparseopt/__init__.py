@@ -6,7 +6,8 @@ Layers declare which updater trains each table (`variable_path_to_optimizer_map`
 
 from sparseopt import callbacks, distribution, layers, ops, saving, updaters
 from sparseopt.dispatch_optimizer import DispatchOptimizer
+from sparseopt.table_trainer import TableTrainer
 
 __version__ = "0.1.0"
 
-__all__ = ["DispatchOptimizer", "callbacks", "distribution", "layers", "ops", "saving", "updaters"]
+__all__ = ["DispatchOptimizer", "TableTrainer", "callbacks", "distribution", "layers", "ops", "saving", "updaters"]

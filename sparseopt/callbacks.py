@@ -9,6 +9,7 @@ import warnings
 import keras
 from keras import ops
 
+from sparseopt import compat
 from sparseopt.saving import check_one_process, fsync_path
 
 _DONE = re.compile(r"^backup-(\d{8})$")
@@ -84,7 +85,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             self.model.optimizer.build(self.model.trainable_variables)
         self.model.load_weights(os.path.join(latest, _WEIGHTS))
         with open(os.path.join(latest, _METADATA)) as f:
-            self.model._initial_epoch = json.load(f)["epoch"]
+            compat.set_initial_epoch(self.model, json.load(f)["epoch"])
 
     def _save_model(self):
         os.makedirs(self.backup_dir, exist_ok=True)

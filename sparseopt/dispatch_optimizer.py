@@ -1,51 +1,16 @@
 """`DispatchOptimizer`: dense variables to a Keras optimizer, tables to updaters."""
 
-import dataclasses
-import gc
 import re
+import weakref
 
 import keras
 import numpy as np
-from keras import ops
 
-from sparseopt import backend
-from sparseopt.declared import declared_updaters
-from sparseopt.distribution import layout_like
-from sparseopt.keras_rs_tables import default_device_tables, read_by_gather, read_sparsely
-from sparseopt.sparse_apply import sparse_apply
+from sparseopt import backend, checks, compat
+from sparseopt.discovery import declared_tables
+from sparseopt.keras_rs_tables import read_by_gather, read_sparsely
+from sparseopt.table_trainer import LookupRows, SlicedRows, TableTrainer
 from sparseopt.updaters import Updater
-
-
-@dataclasses.dataclass
-class _Table:
-    """What the optimizer keeps per table: its rule, lookup, state and skip count."""
-
-    updater: Updater
-    variable: object  # the table
-    lookup: object  # sparseopt.ops.SparseLookup, or None: gradient arrives as slices (TF)
-    slots: dict = dataclasses.field(default_factory=dict)  # slot name -> variable
-    skipped: object = None  # int32 variable: steps skipped for non-finite gradients
-    workspace: object = None  # int32 [V] dedup scratch (JAX), not saved
-
-
-class _Filled(keras.initializers.Initializer):
-    """`Constant(value)` in one buffer.
-
-    Keras' `Constant` computes `value * ones(shape)`: two table-sized arrays
-    at its peak, which for a 2.5 GB accumulator is 2.5 GB more than needed.
-    """
-
-    def __init__(self, value):
-        self.value = value
-
-    def __call__(self, shape, dtype=None):
-        return ops.full(shape, self.value, dtype=dtype)
-
-
-def _wrapped_by_loss_scaling(optimizer):
-    """Whether a live `LossScaleOptimizer` wraps `optimizer` (it cannot tell us)."""
-    return any(isinstance(o, keras.optimizers.LossScaleOptimizer)
-               and o.inner_optimizer is optimizer for o in gc.get_objects())
 
 
 @keras.saving.register_keras_serializable(package="sparseopt")
@@ -113,6 +78,11 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         return self._default_optimizer
 
     @property
+    def dense_optimizers(self):
+        """The Keras optimizers of the dense variables (`optimizer` first)."""
+        return list(self._dense_optimizers)
+
+    @property
     def learning_rate(self):
         return self._default_optimizer.learning_rate
 
@@ -151,16 +121,32 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             )
         return self._optimizer_map[hits[0]] if hits else None
 
+    @property
+    def loss_scaling_wrapper(self):
+        """The `LossScaleOptimizer` that built this optimizer (wraps it), or None."""
+        ref = getattr(self, "_scaling_wrapper", None)
+        return ref() if ref is not None else None
+
     def build(self, var_list):
+        """Routes `var_list` and creates the state of every sparse table.
+
+        Declared updaters are found through each table's `SparseLookup` (which
+        knows its layer) and through the model being trained, when Keras'
+        trainer builds the optimizer or `model.optimizer.build(...)` is called
+        (see `sparseopt.discovery`).
+
+        Args:
+            var_list: the model's trainable variables.
+        """
         if self.built:
             return
         given, var_list = var_list, list(var_list)
-        declared = declared_updaters(var_list)
-        with backend.outside_trace():  # reads optimizer configs (TF builds in a trace)
-            keras_rs_tables = default_device_tables(var_list)
+        wrapper = compat.wrapper_building(self)
+        self._scaling_wrapper = weakref.ref(wrapper) if wrapper is not None else None
+        declared = declared_tables(var_list, compat.model_building(self))
         added = {}  # id(table) -> probe made while building (keras-rs tables, JAX)
-        self._tables = {}  # var key -> _Table
-        self._probes = {}  # var key -> lookup
+        self._trainers = {}  # var key -> TableTrainer
+        self._watched = {}  # var key -> TableTrainer reading that variable's gradient
         dense = {id(opt): [] for opt in self._dense_optimizers}
         self._route = {}
         self._installed = {}  # var key -> variable whose "gradient" is its new value
@@ -168,27 +154,24 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             key = self._var_key(var)
             lookup = getattr(var, "_sparseopt_lookup", None)
             if getattr(var, "_sparseopt_probe_of", None) is not None:
-                self._probes[key] = var._sparseopt_probe_of
-                continue
+                continue  # watched by its table's trainer
             if getattr(var, "overwrite_with_gradient", False):
                 # keras-rs SparseCore tables, slots and step counter: their
                 # lookup's backward pass computes the new values.
                 self._installed[key] = var
                 continue
-            target = self._lookup_map(var.path)
-            owner = "optimizer_map"
-            if target is None and id(var) in declared:
-                target, owner = declared[id(var)][0], f"layer '{declared[id(var)][1]}'"
-            elif target is None and id(var) in keras_rs_tables:
-                target, owner, _ = keras_rs_tables[id(var)]
+            target, owner = self._lookup_map(var.path), "optimizer_map"
+            found = declared.get(id(var))
+            if target is None and found is not None:
+                target, owner = found.updater, found.owner
             if isinstance(target, Updater):
-                if lookup is None and id(var) in keras_rs_tables:
-                    lookup = self._read_sparsely(var, keras_rs_tables[id(var)][2], added)
+                if lookup is None and found is not None and found.keras_rs_layer is not None:
+                    lookup = self._read_sparsely(found.keras_rs_layer, added, var)
                     if lookup is None:  # TF: the gradient is already sparse
-                        self._tables[key] = _Table(target, var, None)
+                        self._add_trainer(TableTrainer(var, target, SlicedRows(var), owner))
                         continue
-                self._check_table(var, target, lookup, owner)
-                self._tables[key] = _Table(target, var, lookup)
+                checks.table(var, target, lookup, owner)
+                self._add_trainer(TableTrainer(var, target, LookupRows(lookup), owner))
             elif lookup is not None:
                 raise ValueError(
                     f"DispatchOptimizer: table '{var.path}' is read by a sparse lookup "
@@ -201,38 +184,18 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                 opt = target or self._default_optimizer
                 dense[id(opt)].append(var)
                 self._route[key] = opt
-        if self._tables:
-            self._check_dense_options()
-            self._check_replicas()
+        if self._trainers:
+            checks.dense_options(self._dense_optimizers, sorted(self.table_trainers))
+            checks.replicas(sorted(self.table_trainers))
         if self._installed:
-            self._check_install_options()
+            scaled = self.loss_scale_factor is not None or self.loss_scaling_wrapper is not None
+            checks.install_options(sorted(v.path for v in self._installed.values()), scaled,
+                                   self._dense_optimizers)
         for opt in self._dense_optimizers:
             opt.build(dense[id(opt)])
         with keras.name_scope(self.name, caller=self):
-            for entry in self._tables.values():
-                table = entry.variable
-                for spec in entry.updater.slots:
-                    shape = spec.shape(table.shape)
-                    entry.slots[spec.name] = self.add_variable(
-                        shape=shape,
-                        initializer=_Filled(spec.initial_value),
-                        dtype=table.dtype,
-                        # Sharded like the table, so that updates stay local.
-                        layout=layout_like(table, len(shape)),
-                        name=f"{table.path.replace('/', '_')}_{spec.name}",
-                    )
-                entry.skipped = self.add_variable(
-                    shape=(), dtype="int32", initializer="zeros",
-                    name=f"{table.path.replace('/', '_')}_skipped_steps",
-                )
-                if backend.WORKSPACE:
-                    # Scratch for the dedup, one per table so that the tables'
-                    # updates stay independent. Not state: never saved.
-                    entry.workspace = self.add_variable(
-                        shape=(table.shape[0],), dtype="int32", initializer="zeros",
-                        layout=layout_like(table, 1),
-                        name=f"{table.path.replace('/', '_')}_dedup_workspace",
-                    )
+            for trainer in self._trainers.values():
+                trainer.build(self)
         # Each new probe sits right after its table, where the layer's weights
         # (table, probe) put it in the model's trainable_variables: stateless
         # steps (JAX) pair this list with the model's values by position.
@@ -246,7 +209,12 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         if pending is not None:
             self._assign_state(pending)
 
-    def _read_sparsely(self, var, layer, added):
+    def _add_trainer(self, trainer):
+        self._trainers[self._var_key(trainer.table)] = trainer
+        for var in trainer.source.watched:
+            self._watched[self._var_key(var)] = trainer
+
+    def _read_sparsely(self, layer, added, var):
         """A keras-rs fallback table: read it sparsely where needed (JAX).
 
         Returns its `SparseLookup`, or None where the backend's gradient of
@@ -260,93 +228,52 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             return None
         lookup = read_sparsely(layer)
         added[id(var)] = lookup.probe
-        self._probes[self._var_key(lookup.probe)] = lookup
         return lookup
 
-    def _check_table(self, var, updater, lookup, owner):
-        if lookup is None:
-            raise ValueError(
-                f"DispatchOptimizer: {owner} assigns updater {updater!r} to "
-                f"'{var.path}', but that variable is not read through "
-                "sparseopt.ops.SparseLookup, so its gradient would be dense and the "
-                "update would cost the whole table. Read it with "
-                "`sparseopt.ops.SparseLookup(layer, variable)` (as "
-                "sparseopt.layers.SparseEmbedding does), or give it a Keras optimizer."
-            )
-        # Both act on the whole table every step: a regularizer's dense
-        # gradient would never reach the updater, a constraint would cost V.
-        if getattr(var, "regularizer", None) is not None:
-            raise ValueError(
-                f"DispatchOptimizer: table '{var.path}' has a regularizer "
-                f"({var.regularizer!r}); its gradient is dense and a sparse updater "
-                "never sees it. Remove it and regularize in the updater instead "
-                "(e.g. `sparseopt.updaters.Ftrl(..., l2_regularization_strength=...)`), "
-                "or regularize only the looked-up rows in the loss."
-            )
-        if getattr(var, "constraint", None) is not None:
-            raise ValueError(
-                f"DispatchOptimizer: table '{var.path}' has a constraint "
-                f"({var.constraint!r}); applying it after each step would touch every "
-                "row. Remove it, or constrain the looked-up rows in the layer's call "
-                "(e.g. normalize them)."
-            )
+    # -- the tables ---------------------------------------------------------
 
-    def _check_dense_options(self):
-        for opt in self._dense_optimizers:
-            if opt.gradient_accumulation_steps:
-                tables = sorted(t.variable.path for t in self._tables.values())
-                raise ValueError(
-                    f"DispatchOptimizer: `gradient_accumulation_steps="
-                    f"{opt.gradient_accumulation_steps}` on {opt.name} is not supported "
-                    f"with sparse tables {tables}: accumulating their updates would "
-                    "need table-sized buffers. Remove it and use a larger batch "
-                    "(or accumulate in a custom train_step)."
-                )
+    @property
+    def table_trainers(self):
+        """`{table path: TableTrainer}` of every sparsely trained table (once built)."""
+        return {t.name: t for t in getattr(self, "_trainers", {}).values()}
 
-    def _check_install_options(self):
-        names = sorted(v.path for v in self._installed.values())
-        shown = names[:4] + (["..."] if len(names) > 4 else [])
-        scaled = self.loss_scale_factor is not None or _wrapped_by_loss_scaling(self)
-        if scaled:
-            raise ValueError(
-                f"DispatchOptimizer: loss scaling is not supported with keras-rs "
-                f"SparseCore tables {shown}: their lookup's backward pass computes "
-                "the updated tables from the scaled gradient, so every table update "
-                "would be scaled too. Remove `loss_scale_factor` / the "
-                "LossScaleOptimizer (SparseCore tables are float32), or place these "
-                "tables with `placement='default_device'`."
+    def table_trainer(self, table):
+        """The `TableTrainer` of `table` (its Keras variable or its path)."""
+        trainers = self.table_trainers
+        path = table if isinstance(table, str) else table.path
+        if path not in trainers or (not isinstance(table, str)
+                                    and trainers[path].table is not table):
+            raise KeyError(
+                f"DispatchOptimizer '{self.name}': no sparse table '{path}' (built: "
+                f"{self.built}); its tables are {sorted(trainers)}."
             )
-        for opt in self._dense_optimizers:
-            if opt.gradient_accumulation_steps:
-                raise ValueError(
-                    f"DispatchOptimizer: `gradient_accumulation_steps="
-                    f"{opt.gradient_accumulation_steps}` is not supported with keras-rs "
-                    f"SparseCore tables {shown}: each step's backward pass already "
-                    "applies the table update; accumulating would mix tables. Remove "
-                    "it and use a larger batch."
-                )
+        return trainers[path]
 
-    def _check_replicas(self):
-        replicas = backend.replicas_running_alone()
-        if replicas > 1:
-            tables = sorted(t.variable.path for t in self._tables.values())
-            raise ValueError(
-                f"DispatchOptimizer: the sparse tables {tables} would be trained by "
-                f"{replicas} replicas of a TensorFlow distribution strategy, each "
-                "running its own step and writing its own rows, which sparseopt does "
-                "not support. Train on one device, or shard the tables on JAX with "
-                "keras.distribution (see sparseopt.distribution.row_sharded)."
-            )
+    def table_state(self, table):
+        """`{slot name: Keras variable}`: the updater state of `table`.
+
+        Args:
+            table: the table's Keras variable, or its path.
+        """
+        return self.table_trainer(table).state()
+
+    def state_variables(self):
+        """Every variable a checkpoint holds: the Keras optimizers' and the tables' state."""
+        scratch = {id(v) for t in getattr(self, "_trainers", {}).values()
+                   for v in t.scratch_variables}
+        return [v for v in self.variables if id(v) not in scratch]
+
+    def scratch_variables(self):
+        """Working memory that is not state (JAX's dedup workspace): never saved."""
+        return [v for t in getattr(self, "_trainers", {}).values() for v in t.scratch_variables]
 
     def dropped_ids(self):
         """`{table path: ids seen outside [0, rows) so far}` (never written anywhere)."""
-        return {t.variable.path: int(ops.convert_to_numpy(t.lookup.num_dropped_ids.value))
-                if t.lookup is not None else 0 for t in self._tables.values()}
+        return {path: t.dropped_ids() for path, t in self.table_trainers.items()}
 
     def skipped_steps(self):
         """`{table path: number of steps skipped for non-finite gradients}`."""
-        return {t.variable.path: int(ops.convert_to_numpy(t.skipped.value))
-                for t in self._tables.values()}
+        return {path: t.skipped_steps() for path, t in self.table_trainers.items()}
 
     # -- applying -----------------------------------------------------------
 
@@ -366,13 +293,11 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         self._check_variables_are_known(trainable_variables)
 
         by_opt = {id(opt): ([], []) for opt in self._dense_optimizers}
-        probe_grads, sliced_grads = {}, {}
+        watched = {}
         for grad, var in zip(grads, trainable_variables):
             key = self._var_key(var)
-            if key in self._probes:
-                probe_grads[id(self._probes[key])] = grad
-            elif key in self._tables:
-                sliced_grads[key] = grad
+            if key in self._watched:
+                watched[id(var)] = grad
             elif key in self._installed and grad is not None:
                 # Install only: no scaling, clipping, decay or accumulation.
                 self._installed[key].assign(grad)
@@ -385,62 +310,14 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             if gs:
                 opt.apply(gs, vs)
         with keras.name_scope(self.name, caller=self):
-            for key, table in self._tables.items():
-                if table.lookup is None:
-                    self._apply_sliced(table, sliced_grads.get(key))
-                else:
-                    self._apply_table(table, probe_grads.get(id(table.lookup)))
+            for trainer in self._trainers.values():
+                rows = trainer.source.row_gradients(watched, trainer.name)
+                if rows is not None:
+                    ids, row_grads = rows
+                    if self.loss_scale_factor is not None:
+                        row_grads = row_grads / self.loss_scale_factor
+                    trainer.apply(ids, row_grads, self._iterations)
         self._iterations.assign_add(1)
-
-    def _apply_table(self, table, probe_grad):
-        lookup = table.lookup
-        records = lookup.take_records()
-        if not records:
-            return  # not looked up in this step
-        if probe_grad is None:
-            raise ValueError(
-                f"DispatchOptimizer: table '{lookup.table.path}' was looked up but "
-                "its probe weight got no gradient; pass all of the model's "
-                "trainable variables to `apply`."
-            )
-        # The probe's cotangent is 1 per lookup (NaN if that lookup's row
-        # gradients were not finite); whatever scaled it (loss scaling) scaled
-        # the row gradients the other way round.
-        multiplier = ops.cast(probe_grad, "float32") / float(len(records))
-        if self.loss_scale_factor is not None:
-            multiplier = multiplier / self.loss_scale_factor
-        ids = ops.concatenate([r[0] for r in records], axis=0)
-        grads = ops.concatenate([ops.cast(r[1], "float32") for r in records], axis=0)
-        self._update(table, ids, grads * multiplier)
-
-    def _apply_sliced(self, table, grad):
-        """A table whose gradient arrives as slices: `(ids, row gradients)` (TF)."""
-        if grad is None:
-            return
-        sliced = backend.gradient_slices(grad)
-        if sliced is None:
-            raise ValueError(
-                f"DispatchOptimizer: table '{table.variable.path}' received a dense "
-                "gradient; something before the optimizer (e.g. LossScaleOptimizer's "
-                "finiteness check, or clipping in a custom train_step) densified it, "
-                "which costs the whole table every step. Use "
-                "`DispatchOptimizer(..., loss_scale_factor=...)` for loss scaling and "
-                "pass the tape's gradients to the optimizer unchanged."
-            )
-        ids, grads = sliced
-        grads = ops.cast(grads, "float32")
-        if self.loss_scale_factor is not None:
-            grads = grads / self.loss_scale_factor
-        self._update(table, ids, grads)
-
-    def _update(self, table, ids, grads):
-        """The updater's sparse step on `table`; a skipped step is counted."""
-        applied = sparse_apply(
-            table.updater, table.variable, table.slots, ids, grads,
-            table.updater.learning_rate_at(self._iterations), self._iterations + 1,
-            workspace=table.workspace,
-        )
-        table.skipped.assign_add(1 - ops.cast(applied, "int32"))
 
     # -- saving: everything but the dedup workspace ---------------------------
 
@@ -449,17 +326,15 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
     # unbuilt one, warn that it skipped it). This optimizer saves their
     # variables itself, in `save_own_variables`.
     _WRAPPED = frozenset({"optimizer", "_default_optimizer", "_dense_optimizers",
-                          "_optimizer_map", "_route"})
+                          "dense_optimizers",
+                          "_optimizer_map", "_route", "loss_scaling_wrapper",
+                          "_scaling_wrapper"})
 
     def __dir__(self):
         return [n for n in super().__dir__() if n not in self._WRAPPED]
 
-    def _saved_variables(self):
-        scratch = {id(t.workspace) for t in getattr(self, "_tables", {}).values()}
-        return [v for v in self.variables if id(v) not in scratch]
-
     def save_own_variables(self, store):
-        for i, variable in enumerate(self._saved_variables()):
+        for i, variable in enumerate(self.state_variables()):
             store[str(i)] = variable.numpy()
 
     def load_own_variables(self, store):
@@ -478,7 +353,7 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         self._assign_state(values)
 
     def _assign_state(self, values):
-        saved = self._saved_variables()
+        saved = self.state_variables()
         mismatch = len(values) != len(saved) or any(
             tuple(v.shape) != tuple(x.shape) for v, x in zip(saved, values))
         if mismatch:

@@ -14,10 +14,11 @@ import collections
 import dataclasses
 import math
 import re
-import types
 
 import keras
 import numpy as np
+
+from sparseopt import compat
 
 
 def layout_like(table, ndim):
@@ -32,8 +33,8 @@ def layout_like(table, ndim):
         table: the table's Keras variable.
         ndim: 1 or 2.
     """
-    layout = getattr(table, "_layout", None)
-    if not isinstance(layout, keras.distribution.TensorLayout):
+    layout = compat.layout_of(table)
+    if layout is None:
         return None  # no distribution (or a backend sharding given by hand: replicated)
     return keras.distribution.TensorLayout(layout.axes[:ndim], layout.device_mesh)
 
@@ -52,7 +53,7 @@ def check_even_split(layer_name, path, shape):
     distribution = keras.distribution.distribution()
     if distribution is None:
         return
-    probe = types.SimpleNamespace(path=path, shape=tuple(shape), _layout=None)
+    probe = compat.variable_stand_in(path, shape)
     layout = distribution.get_variable_layout(probe)
     mesh = distribution.device_mesh
     sizes = dict(zip(mesh.axis_names, mesh.shape))

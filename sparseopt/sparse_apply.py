@@ -49,7 +49,7 @@ def _apply(updater, table, slots, ids, grads, learning_rate, step, workspace):
         return finite
     rows = ops.cast(backend.gather(table.value, uniq), "float32")
     state = {name: ops.cast(backend.gather(v.value, uniq), "float32") for name, v in slots.items()}
-    new_rows, new_state = updater.update(rows, state, summed, learning_rate, step)
+    new_rows, new_state = updater.apply_rule(rows, state, summed, learning_rate, step)
     # Skipping selects the old rows back (cheap: only touched rows) instead
     # of branching.
     backend.scatter(table, uniq, ops.where(finite, new_rows, rows))

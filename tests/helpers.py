@@ -50,6 +50,24 @@ def batches(rng, steps, batch, n_ids, vocab, width, dup_vocab=None):
     return xs, ys
 
 
+def registered_cases(paths_only=False):
+    """`{"Name:case": (Updater class, kwargs)}` of every shipped updater's test configs.
+
+    Args:
+        paths_only: one case per code path instead of every configuration:
+            each updater's default, plus its first configuration whose TF
+            kernel differs from the default's (e.g. Adagrad without epsilon).
+    """
+    out = {}
+    for name, entry in sparseopt.updaters.registry(shipped_only=True).items():
+        configs = entry.test_configs
+        default_kernel = entry(0.1, **configs["default"]).tf_kernel()
+        other = [c for c, cfg in configs.items() if entry(0.1, **cfg).tf_kernel() != default_kernel]
+        for case in (["default"] + other[:1]) if paths_only else configs:
+            out[f"{name}:{case}"] = (entry, configs[case])
+    return out
+
+
 def numpy_replay(name, cfg, table0, xs, ys, lr_fn):
     """Replays `dot_loss` training with the NumPy reference rules."""
     from tests import reference
@@ -62,5 +80,10 @@ def numpy_replay(name, cfg, table0, xs, ys, lr_fn):
 
 
 def optimizer_state(optimizer):
-    """The optimizer's variables that are state (all but JAX's dedup scratch)."""
-    return [v for v in optimizer.variables if "dedup_workspace" not in v.path]
+    """The optimizer's variables that are state (all but JAX's dedup scratch).
+
+    `optimizer` is a `DispatchOptimizer`, or a `LossScaleOptimizer` around one.
+    """
+    dispatch = getattr(optimizer, "inner_optimizer", optimizer)
+    scratch = {id(v) for v in dispatch.scratch_variables()}
+    return [v for v in optimizer.variables if id(v) not in scratch]

@@ -61,6 +61,8 @@ def sparse_step(name, table, state, ids, grads, lr, cfg):
         return table, state
     summed = np.zeros((uniq.size, table.shape[1]))
     np.add.at(summed, np.searchsorted(uniq, ids[valid]), grads[valid])
+    if cfg.get("clipvalue") is not None:  # an option of every rule: clip the summed gradient
+        summed = np.clip(summed, -cfg["clipvalue"], cfg["clipvalue"])
     rows, st = RULES[name](table[uniq], {k: v[uniq] for k, v in state.items()}, summed, lr, cfg)
     table[uniq] = rows
     for k in state:

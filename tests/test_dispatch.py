@@ -8,7 +8,7 @@ from keras import ops
 import sparseopt
 from tests.conftest import to_np
 from tests.helpers import (OneHotEmbedding, batches, dot_loss, numpy_replay, optimizer_state,
-                           table_model)
+                           registered_cases, table_model)
 
 VOCAB, WIDTH, N_IDS, BATCH = 200, 4, 6, 8
 
@@ -69,13 +69,16 @@ def test_standard_optimizer_creates_no_slot_for_tables():
     opt.build(model.trainable_variables)
     big = [v.path for v in opt.optimizer.variables if len(v.shape) and v.shape[0] == 100_000]
     assert big == []
-    slots = [tuple(v.shape) for v in opt.variables if len(v.shape) and v.shape[0] == 100_000
-             and "dedup_workspace" not in v.path]
+    slots = [tuple(v.shape) for v in opt.state_variables()
+             if len(v.shape) and v.shape[0] == 100_000]
     assert slots == [(100_000, WIDTH), (100_000, WIDTH)]  # FTRL: accumulator + linear
+    table = model.get_layer("emb").embeddings
+    assert {k: tuple(v.shape) for k, v in opt.table_state(table).items()} == {
+        "accumulator": (100_000, WIDTH), "linear": (100_000, WIDTH)}
     # JAX's dedup scratch: one int32 per row (1/WIDTH of the table), not saved.
     from sparseopt import backend
 
-    workspace = [(tuple(v.shape), v.dtype) for v in opt.variables if "dedup_workspace" in v.path]
+    workspace = [(tuple(v.shape), v.dtype) for v in opt.scratch_variables()]
     assert workspace == ([((100_000,), "int32")] if backend.WORKSPACE else [])
 
 
@@ -129,14 +132,10 @@ def test_loss_scale_optimizer_skip_leaves_tables_and_state_untouched():
     assert int(to_np(inner.iterations)) == 1
 
 
-# On TF the first three run TF's fused kernels (guarded by a cond), the others the rule.
-SKIP_UPDATERS = {
-    "sgd": lambda: sparseopt.updaters.SGD(0.1),
-    "adagrad_no_epsilon": lambda: sparseopt.updaters.Adagrad(0.1, epsilon=0.0),
-    "ftrl": lambda: sparseopt.updaters.Ftrl(0.1, l1_regularization_strength=0.01),
-    "adagrad": lambda: sparseopt.updaters.Adagrad(0.1),
-    "rowwise_adagrad": lambda: sparseopt.updaters.RowwiseAdagrad(0.1),
-}
+# Every shipped updater, on each of its code paths: on TF those with a fused
+# kernel run it (guarded by a cond), the others the rule.
+SKIP_UPDATERS = {case: (lambda entry=entry, cfg=cfg: entry(0.1, **cfg))
+                 for case, (entry, cfg) in registered_cases(paths_only=True).items()}
 
 
 @pytest.mark.parametrize("updater", sorted(SKIP_UPDATERS))
@@ -306,9 +305,14 @@ def test_declared_table_not_read_sparsely_is_refused_at_build():
     layer = DenselyReadTable(VOCAB, WIDTH, name="dense_read")
     ids = keras.Input((N_IDS,), dtype="int32")
     model = keras.Model(ids, layer(ids))
+    # The layer has no SparseLookup: it is found through the model it is
+    # compiled into (built by Keras' trainer, or by hand).
     opt = sparseopt.DispatchOptimizer(keras.optimizers.SGD())
+    model.compile(optimizer=opt, loss="mse")
     with pytest.raises(ValueError, match="dense_read/table.*not read through.*SparseLookup"):
-        opt.build(model.trainable_variables)
+        model.optimizer.build(model.trainable_variables)
+    with pytest.raises(ValueError, match="dense_read/table.*not read through.*SparseLookup"):
+        model.fit(np.zeros((2, N_IDS), "int32"), np.zeros((2, N_IDS, WIDTH)), verbose=0)
 
 
 def test_optimizer_map_overrides_declared_updaters_and_routes_dense_variables():
@@ -327,7 +331,7 @@ def test_optimizer_map_overrides_declared_updaters_and_routes_dense_variables():
     for v in model.get_layer("out").weights:
         np.testing.assert_array_equal(to_np(v), before[v.path])
     assert not np.array_equal(to_np(emb.embeddings), before["emb/embeddings"])
-    assert {id(o) for o in opt._dense_optimizers} == {id(opt.optimizer), id(frozen_sgd)}
+    assert {id(o) for o in opt.dense_optimizers} == {id(opt.optimizer), id(frozen_sgd)}
 
 
 def test_evaluate_and_predict_do_not_touch_tables():
@@ -396,3 +400,51 @@ def test_ambiguous_optimizer_map_patterns_are_refused():
 def test_loss_scale_optimizer_inside_dispatch_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"LossScaleOptimizer\(DispatchOptimizer"):
         sparseopt.DispatchOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
+
+
+class BrokenDeclaration(UserTable):
+    @property
+    def variable_path_to_optimizer_map(self):
+        return {"no/such/variable": self.updater}
+
+
+def test_a_broken_layer_of_another_live_model_does_not_affect_this_build():
+    broken = BrokenDeclaration(VOCAB, WIDTH, name="broken")
+    ids = keras.Input((N_IDS,), dtype="int32")
+    other = keras.Model(ids, broken(ids))  # alive, built, with a bad map
+    other.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()), loss="mse")
+    with pytest.raises(ValueError, match="'broken' declares an updater for 'no/such/variable'"):
+        other.optimizer.build(other.trainable_variables)  # its own model is refused
+    model, emb = table_model(VOCAB, WIDTH, N_IDS, sparseopt.updaters.Adagrad(0.1))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()), loss=dot_loss)
+    xs, ys = batches(np.random.default_rng(3), 1, BATCH, N_IDS, VOCAB, WIDTH)
+    model.train_on_batch(xs[0], ys[0])  # builds, finds its table, trains
+    assert list(model.optimizer.table_trainers) == ["emb/embeddings"]
+
+
+def test_build_never_walks_the_heap(monkeypatch):
+    """Declared updaters are found through lookups and the model, not `gc`.
+
+    A million unrelated live objects stay alive during the build, and any
+    heap walk fails the test.
+    """
+    import gc
+
+    def refuse(*args):
+        raise AssertionError("DispatchOptimizer walked the heap")
+
+    unrelated = [object() for _ in range(1_000_000)]  # noqa: F841
+    monkeypatch.setattr(gc, "get_objects", refuse)
+    monkeypatch.setattr(gc, "get_referrers", refuse)
+    layer = UserTable(VOCAB, WIDTH, name="user")
+    ids = keras.Input((N_IDS,), dtype="int32")
+    model = keras.Model(ids, layer(ids))
+    opt = sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1))
+    model.compile(optimizer=opt, loss=dot_loss)
+    xs, ys = batches(np.random.default_rng(4), 1, BATCH, N_IDS, VOCAB, WIDTH)
+    model.train_on_batch(xs[0], ys[0])
+    assert list(opt.table_trainers) == ["user/table"]
+    wrapped = keras.optimizers.LossScaleOptimizer(sparseopt.DispatchOptimizer(keras.optimizers.SGD()))
+    other, _ = table_model(VOCAB, WIDTH, N_IDS, sparseopt.updaters.SGD(0.1), name="other")
+    wrapped.build(other.trainable_variables)  # the wrapper is found without gc too
+    assert wrapped.inner_optimizer.loss_scaling_wrapper is wrapped

@@ -20,8 +20,8 @@ def run_example(name, *args):
 
 @pytest.mark.parametrize("name", ["dlrm_synthetic.py", "keras_rs_dlrm.py"])
 def test_example_trains_and_reports(name):
-    out = run_example(name, "--examples", "30000", "--chunks", "1", "--compare-steps", "0",
-                      "--scale", "0.01")
+    out = run_example(name, "--examples", "30000", "--validation", "5000", "--chunks", "1",
+                      "--compare-steps", "0", "--scale", "0.01")
     assert "val loss" in out and "ms/step" in out
     assert "table steps skipped for non-finite gradients: 0" in out
     if name == "keras_rs_dlrm.py":
@@ -30,13 +30,12 @@ def test_example_trains_and_reports(name):
         assert "Adam variables shaped like a table: 0" in out
 
 
-@pytest.mark.skipif(keras.backend.backend() != "jax",
-                    reason="sharded_dlrm.py runs on JAX whatever KERAS_BACKEND says")
+@pytest.mark.backend_independent  # sharded_dlrm.py runs on JAX whatever KERAS_BACKEND says
 def test_sharded_example_splits_tables_and_trains():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "sharded_dlrm.py"), "--examples",
-         "30000", "--chunks", "1", "--scale", "0.1"],
+         "30000", "--validation", "5000", "--chunks", "1", "--scale", "0.1"],
         cwd=ROOT, env=dict(env, TF_CPP_MIN_LOG_LEVEL="3"), capture_output=True, text=True,
         timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -172,7 +172,7 @@ def _empty_sparse_apply(model, emb, jit):
 
     from sparseopt.sparse_apply import sparse_apply
 
-    table = model.optimizer._tables[model.optimizer._var_key(emb.embeddings)]
+    table = model.optimizer.table_trainer(emb.embeddings)
     variables = [emb.embeddings, *table.slots.values(), table.workspace]
 
     def step(values):
@@ -189,7 +189,7 @@ def _empty_sparse_apply(model, emb, jit):
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
-@pytest.mark.parametrize("name", ["Adagrad", "Ftrl", "RowwiseAdagrad"])
+@pytest.mark.parametrize("name", sorted(sparseopt.updaters.registry(shipped_only=True)))
 def test_a_batch_of_one_id_repeated_everywhere(mode, name):
     updater = getattr(sparseopt.updaters, name)(0.1)
     model, emb = compiled(updater, 16, mode)

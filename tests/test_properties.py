@@ -15,14 +15,12 @@ from hypothesis import strategies as st
 import sparseopt
 from tests import reference
 from tests.conftest import to_np
-from tests.helpers import dot_loss, optimizer_state, table_model
+from tests.helpers import dot_loss, table_model
 
-RULES = {
-    "SGD": {},
-    "Adagrad": {"initial_accumulator_value": 0.1},
-    "RowwiseAdagrad": {"initial_accumulator_value": 0.05},
-    "Ftrl": {"l1_regularization_strength": 0.01, "l2_regularization_strength": 0.01},
-}
+# Every shipped updater with every hyperparameter set its registry entry names.
+RULES = {f"{name}:{case}": (name, cfg)
+         for name, entry in sparseopt.updaters.registry(shipped_only=True).items()
+         for case, cfg in entry.test_configs.items()}
 VOCABS = [1, 7, 40, 300]
 # JAX compiles every step with XLA; TF traces a graph, or compiles it with XLA.
 MODES = {"jax": ["jit"], "tensorflow": ["traced", "xla"]}[keras.backend.backend()]
@@ -37,7 +35,8 @@ def _model(name, vocab, mode):
     # compiling per example would make a thousand cases far too slow.
     key = (name, vocab, mode)
     if key not in _models:
-        updater = getattr(sparseopt.updaters, name)(LR, **RULES[name])
+        rule, cfg = RULES[name]
+        updater = getattr(sparseopt.updaters, rule)(LR, **cfg)
         model, emb = table_model(vocab, WIDTH, N_IDS, updater, name=f"emb_{len(_models)}")
         opt = sparseopt.DispatchOptimizer(keras.optimizers.SGD())
         model.compile(optimizer=opt, loss=dot_loss, jit_compile=mode != "traced")
@@ -69,20 +68,22 @@ def cases(draw):
             draw(steps(vocab)))
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck))
+# Examples per run: the Hypothesis profile (tests/conftest.py): 200 by default,
+# 1000 with `make test-all` (`--hypothesis-profile=full`).
+@settings(deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=cases())
 def test_every_step_touches_only_valid_ids_and_matches_the_reference(case):
-    name, vocab, mode, sequence = case
-    model, emb, opt, fresh = _model(name, vocab, mode)
+    key, vocab, mode, sequence = case
+    model, emb, opt, fresh = _model(key, vocab, mode)
+    name, cfg = RULES[key]
     for v, value in zip(opt.variables, fresh):
         v.assign(value)
     rng = np.random.default_rng(sequence[0][3])
     table = rng.normal(size=(vocab, WIDTH)).astype("float32")
     emb.embeddings.assign(table)
     table = table.astype(np.float64)
-    state = reference.initial_state(name, table.shape, RULES[name])
-    slots = {v.name.rsplit("_", 1)[-1]: v for v in optimizer_state(opt)
-             if len(v.shape) and v.shape[0] == vocab}
+    state = reference.initial_state(name, table.shape, cfg)
+    slots = opt.table_state(emb.embeddings)
     skipped = 0
     for x, scale, poison, seed in sequence:
         batch = x.shape[0]
@@ -103,7 +104,7 @@ def test_every_step_touches_only_valid_ids_and_matches_the_reference(case):
             skipped += 1
         else:
             table, state = reference.sparse_step(name, table, state, x,
-                                                 y.astype(np.float64) / batch, LR, RULES[name])
+                                                 y.astype(np.float64) / batch, LR, cfg)
         np.testing.assert_allclose(got, table, rtol=1e-4, atol=1e-5)
         assert sorted(got_state) == sorted(state)
         for k in state:

@@ -52,13 +52,20 @@ def straight(tmp_path_factory):
     return directory / "straight.npz"
 
 
+@pytest.fixture(scope="module")
+def first(tmp_path_factory):
+    """3 epochs, then `model.save` and `save_weights` (one run for both resume tests)."""
+    directory = tmp_path_factory.mktemp("first")
+    job("first", directory)
+    return directory
+
+
 @pytest.mark.parametrize("how", ["resume_model", "resume_weights"])
-def test_three_epochs_save_load_in_a_new_process_two_more_equals_five(straight, tmp_path, how):
+def test_three_epochs_save_load_in_a_new_process_two_more_equals_five(straight, first, how):
     """`model.save` + `load_model` (no custom_objects), and `save_weights` +
     `load_weights` into a freshly compiled model (optimizer not yet built)."""
-    job("first", tmp_path)
-    job(how, tmp_path)
-    assert_same_state(straight, tmp_path / f"{how}.npz")
+    job(how, first)
+    assert_same_state(straight, first / f"{how}.npz")
 
 
 @pytest.mark.parametrize("callback", ["keras", "sparseopt"])

@@ -6,31 +6,28 @@ import pytest
 
 import sparseopt
 from tests.conftest import to_np
-from tests.helpers import batches, dot_loss, numpy_replay, optimizer_state, table_model
+from tests.helpers import batches, dot_loss, numpy_replay, registered_cases, table_model
 
 VOCAB, WIDTH, N_IDS, BATCH, STEPS = 300, 4, 5, 8, 50
 
-CASES = {
-    "sgd": ("SGD", {}),
-    "adagrad": ("Adagrad", {"initial_accumulator_value": 0.1, "epsilon": 1e-7}),
-    "adagrad_no_epsilon": ("Adagrad", {"initial_accumulator_value": 0.2, "epsilon": 0.0}),
-    "rowwise_adagrad": ("RowwiseAdagrad", {"initial_accumulator_value": 0.0, "epsilon": 1e-8}),
-    "rowwise_adagrad_init": ("RowwiseAdagrad", {"initial_accumulator_value": 0.5, "epsilon": 1e-3}),
-    "ftrl": ("Ftrl", {}),
-    "ftrl_l1_l2_beta": ("Ftrl", {"l1_regularization_strength": 0.002,
-                                 "l2_regularization_strength": 0.05, "beta": 0.3}),
-    "ftrl_linear_by_lr": ("Ftrl", {"l1_regularization_strength": 0.002,
-                                   "l2_regularization_strength": 0.05, "beta": 0.3,
-                                   "multiply_linear_by_learning_rate": True}),
-    "ftrl_power": ("Ftrl", {"learning_rate_power": -0.3, "l1_regularization_strength": 0.001,
-                            "initial_accumulator_value": 0.2}),
-}
+# Every shipped updater, with each hyperparameter set its registry entry names.
+REGISTRY = sparseopt.updaters.registry(shipped_only=True)
+# ... and with each option every updater takes (sparseopt.updaters.transforms).
+OPTIONS = {"clipvalue": 0.05}
+CASES = {f"{name}:{case}": (name, cfg) for name, entry in REGISTRY.items()
+         for case, cfg in entry.test_configs.items()}
+CASES.update({f"{name}:default+{option}": (name, {**entry.test_configs["default"], option: value})
+              for name, entry in REGISTRY.items() for option, value in OPTIONS.items()})
+DEFAULTS = [f"{name}:default" for name in REGISTRY]
+# Each mode on TF runs a different path (fused kernel, XLA rule, eager kernel):
+# each updater on each of its paths. On JAX, Keras' `jit_compile=False` and
+# `run_eagerly` run the same un-jitted step: one of them.
+KERNEL_CASES = sorted(registered_cases(paths_only=True))
+MODES = ["jit", "no_jit", "eager"] if keras.backend.backend() == "tensorflow" else ["jit", "eager"]
 
 
-def slot_values(optimizer, table_path):
-    prefix = table_path.replace("/", "_") + "_"
-    return {v.name[len(prefix):]: to_np(v) for v in optimizer_state(optimizer)
-            if v.name.startswith(prefix) and not v.name.endswith("skipped_steps")}
+def slot_values(optimizer, table):
+    return {k: to_np(v) for k, v in optimizer.table_state(table).items()}
 
 
 def train(updater, xs, ys, **compile_kwargs):
@@ -53,13 +50,24 @@ def test_updater_matches_numpy_reference(case):
     model, emb, table0 = train(updater, xs, ys)
     want_table, want_state = numpy_replay(name, cfg, table0, xs, ys, lambda t: 0.05)
     np.testing.assert_allclose(to_np(emb.embeddings), want_table, rtol=2e-5, atol=2e-6)
-    got_state = slot_values(model.optimizer, emb.embeddings.path)
+    got_state = slot_values(model.optimizer, emb.embeddings)
     assert sorted(got_state) == sorted(want_state)
     for k in want_state:
         np.testing.assert_allclose(got_state[k], want_state[k], rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("case", ["adagrad", "ftrl_l1_l2_beta", "rowwise_adagrad"])
+@pytest.mark.backend_independent
+def test_every_registered_updater_has_an_independent_reference():
+    from sparseopt.updaters import transforms
+    from tests import reference
+
+    assert set(REGISTRY) <= set(reference.RULES), "add its formula to tests/reference.py"
+    assert set(OPTIONS) == set(transforms.OPTIONS), "test every option against the reference"
+    for name, entry in REGISTRY.items():
+        assert "default" in entry.test_configs, name
+
+
+@pytest.mark.parametrize("case", DEFAULTS + ["Ftrl:l1_l2_beta"])
 def test_untouched_rows_and_state_unchanged_bit_for_bit(case):
     name, cfg = CASES[case]
     rng = np.random.default_rng(2)
@@ -72,7 +80,7 @@ def test_untouched_rows_and_state_unchanged_bit_for_bit(case):
     assert np.array_equal(table[untouched], table0[untouched])
     assert not np.any(np.all(table[touched] == table0[touched], axis=1))
     state0 = numpy_replay(name, cfg, table0, xs[:0], ys[:0], lambda t: 0.0)[1]
-    for k, v in slot_values(model.optimizer, emb.embeddings.path).items():
+    for k, v in slot_values(model.optimizer, emb.embeddings).items():
         assert np.array_equal(v[untouched], state0[k][untouched].astype(np.float32))
 
 
@@ -86,8 +94,8 @@ def test_learning_rate_schedule_is_evaluated_at_the_training_step():
     np.testing.assert_allclose(to_np(emb.embeddings), want, rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("mode", ["jit", "no_jit", "eager"])
-@pytest.mark.parametrize("case", ["ftrl_l1_l2_beta", "adagrad", "adagrad_no_epsilon", "sgd"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", KERNEL_CASES)
 def test_compiled_and_eager_steps_agree(mode, case):
     """Each mode (on TF: fused kernel, XLA rule, eager kernel) gives the reference."""
     kwargs = {"jit": {"jit_compile": True}, "no_jit": {"jit_compile": False},

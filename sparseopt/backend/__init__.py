@@ -15,6 +15,9 @@ Each backend module provides:
   built block by block in place (`None` where the backend cannot).
 - `outside_trace()`: a context that runs its block outside any trace, even
   while a train step is being traced (TF builds optimizers there).
+- `trace_token(value=None)`: an object equal for everything traced into one
+  function, None for eager code (or an eager `value`), to tell a step's
+  lookups from stale ones.
 - `has_int64()`: whether int64 arrays exist (JAX: only with `jax_enable_x64`).
 - `SPARSE_GRADIENTS` / `gradient_slices(grad)` / `gather_from_resource(var,
   ids)`: whether a gather's gradient is sparse (TF), its `(ids, row_grads)`,
@@ -36,12 +39,12 @@ if keras.backend.backend() == "jax":
     from sparseopt.backend.jax import (  # noqa: F401
         SPARSE_GRADIENTS, WORKSPACE, dedup, fill_in_blocks, fused_apply, gather,
         gather_from_resource, gradient_slices, has_int64, on_row_shards, outside_trace,
-        read_rows, replicas_running_alone, row_shards, scatter, tap)
+        read_rows, replicas_running_alone, row_shards, scatter, tap, trace_token)
 elif keras.backend.backend() == "tensorflow":
     from sparseopt.backend.tensorflow import (  # noqa: F401
         SPARSE_GRADIENTS, WORKSPACE, dedup, fill_in_blocks, fused_apply, gather,
         gather_from_resource, gradient_slices, has_int64, on_row_shards, outside_trace,
-        read_rows, replicas_running_alone, row_shards, scatter, tap)
+        read_rows, replicas_running_alone, row_shards, scatter, tap, trace_token)
 else:
     raise ImportError(
         f"sparseopt supports the 'jax' and 'tensorflow' Keras backends; the "

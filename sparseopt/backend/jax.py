@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparseopt import compat
+
 
 def tap(rows, probe, ids, on_backward):
     @jax.custom_vjp
@@ -124,6 +126,15 @@ def outside_trace():
     return contextlib.nullcontext()  # JAX builds optimizers outside the traced step
 
 
+def trace_token(value=None):
+    """What identifies the trace being built now; None if `value` is not traced (eager)."""
+    from jax.extend.core import get_opaque_trace_state
+
+    if value is not None and not isinstance(value, jax.core.Tracer):
+        return None
+    return get_opaque_trace_state(convention="flax")
+
+
 def read_rows(table, ids):
     """Forward lookup of valid `ids` in a Keras variable (no gradient to it)."""
     return jnp.take(jax.lax.stop_gradient(table.value), ids, axis=0)
@@ -170,7 +181,7 @@ def row_shards(variable):
     arrays only in equal blocks, so the split is even.)
     """
     # A keras.distribution TensorLayout (the state is laid out like it).
-    sharding = getattr(getattr(variable, "_layout", None), "backend_layout", None)
+    sharding = getattr(compat.layout_of(variable), "backend_layout", None)
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return None
     spec = tuple(sharding.spec)

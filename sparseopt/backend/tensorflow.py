@@ -7,8 +7,7 @@ of the lookup's `tf.IndexedSlices`.
 """
 
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util
-
+from sparseopt import compat
 from sparseopt.backend import tensorflow_kernels
 
 
@@ -88,6 +87,13 @@ def outside_trace():
     return tf.init_scope()
 
 
+def trace_token(value=None):
+    """What identifies the trace being built now (its graph); None when eager."""
+    if tf.executing_eagerly():
+        return None
+    return tf.compat.v1.get_default_graph()
+
+
 def read_rows(table, ids):
     """Forward lookup of valid `ids` in a Keras variable (no gradient to it).
 
@@ -129,7 +135,7 @@ def fused_apply(updater, table, slots, ids, grads, learning_rate, finite):
         an XLA cluster (`jit_compile=True`), where TF has no sparse-apply
         kernels; the caller then applies the rule itself.
     """
-    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+    if compat.in_xla_context():
         return False
     kernel = tensorflow_kernels.kernel_for(updater)
     if kernel is None:

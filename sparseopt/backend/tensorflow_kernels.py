@@ -1,15 +1,13 @@
 """TensorFlow's fused sparse-apply kernels, for the rules they match exactly.
 
-Each entry maps an updater class to a function that runs the TF kernel on
-unique ids, or says (by returning `None` from `kernel_for`) that the kernel's
-formula differs from the updater's, in which case sparseopt applies the rule
-written with `keras.ops`. All kernels update the rows of the table and of its
+Each entry maps a kernel name that an updater gives (`Updater.tf_kernel`) to
+a function that runs the TF kernel on unique ids. An updater whose rule no
+kernel computes exactly names none; sparseopt then applies the rule written
+with `keras.ops`. All kernels update the rows of the table and of its
 state in place, once per id: callers must pass unique ids.
 """
 
 import tensorflow as tf
-
-from sparseopt import updaters
 
 
 def _sgd(updater, var, slots, ids, grads, lr):
@@ -17,8 +15,8 @@ def _sgd(updater, var, slots, ids, grads, lr):
 
 
 def _adagrad(updater, var, slots, ids, grads, lr):
-    # ApplyAdagradV2 divides by sqrt(acc) + epsilon; with epsilon == 0 that is
-    # the Keras form sqrt(acc + epsilon) exactly (see kernel_for).
+    # ApplyAdagradV2 divides by sqrt(acc) + epsilon; Adagrad.tf_kernel names it
+    # only for epsilon == 0, where that is the Keras form exactly.
     tf.raw_ops.ResourceSparseApplyAdagradV2(
         var=var, accum=slots["accumulator"], lr=lr, epsilon=tf.zeros_like(lr),
         grad=grads, indices=ids)
@@ -34,12 +32,13 @@ def _ftrl(updater, var, slots, ids, grads, lr):
         multiply_linear_by_lr=updater.multiply_linear_by_learning_rate)
 
 
+_KERNELS = {"sgd": _sgd, "adagrad": _adagrad, "ftrl": _ftrl}
+
+
 def kernel_for(updater):
-    """The kernel function for `updater`, or `None` if no TF kernel matches it."""
-    if type(updater) is updaters.SGD:
-        return _sgd
-    if type(updater) is updaters.Adagrad and updater.epsilon == 0.0:
-        return _adagrad
-    if type(updater) is updaters.Ftrl:
-        return _ftrl
-    return None
+    """The kernel function for `updater`, or `None` if no TF kernel matches it.
+
+    The updater says which kernel computes exactly its whole step
+    (`fused_kernel`: none where an option is set).
+    """
+    return _KERNELS.get(updater.fused_kernel())

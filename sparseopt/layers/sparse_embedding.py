@@ -3,10 +3,7 @@
 import keras
 from keras import ops
 
-# Keras' path of the variables created here (not re-exported publicly, as
-# AutocastScope in ops/lookup.py): what a LayoutMap matches.
-from keras.src.backend.common.name_scope import current_path
-
+from sparseopt import compat
 from sparseopt import updaters as updaters_lib
 from sparseopt.distribution import check_even_split
 from sparseopt.layers.block_init import blockwise
@@ -91,7 +88,7 @@ class SparseEmbedding(keras.layers.Layer):
 
     def build(self, input_shape=None):
         shape = (self.input_dim, self.output_dim)
-        check_even_split(self.name, f"{current_path()}/embeddings".lstrip("/"), shape)
+        check_even_split(self.name, f"{compat.current_path()}/embeddings".lstrip("/"), shape)
         self.embeddings = self.add_weight(
             shape=shape,
             # Large random tables are drawn in blocks: memory peaks at one

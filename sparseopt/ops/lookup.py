@@ -1,15 +1,12 @@
 """`SparseLookup`: read rows of a table so that they can be updated sparsely."""
 
 import warnings
+import weakref
 
 import keras
 from keras import ops
 
-# Keras' own switch for "read variables as stored" (what a layer with
-# `autocast=False` uses); not re-exported publicly, stable within our pin.
-from keras.src.backend import AutocastScope
-
-from sparseopt import backend
+from sparseopt import backend, compat
 
 
 class SparseLookup:
@@ -72,13 +69,58 @@ class SparseLookup:
         )
         self.layer_name = layer.name
         self.compute_dtype = layer.compute_dtype
-        self.records = []
+        # Weak: the optimizer finds the declaring layer through the lookup,
+        # and a lookup must not keep a deleted model's layer alive.
+        self._layer = weakref.ref(layer)
+        self._records = []  # (trace, ids, row_grads) from backward passes
+        self._dropped = 0  # records a forward pass of another trace discarded
         table._sparseopt_lookup = self
         self.probe._sparseopt_probe_of = self
 
-    def take_records(self):
-        records, self.records = self.records, []
-        return records
+    @property
+    def layer(self):
+        """The layer that owns the table (None once it is deleted)."""
+        return self._layer()
+
+    def take_row_gradients(self):
+        """The `(ids, row_grads)` recorded since the last call, and forgets them.
+
+        Returns:
+            `(calls, ids, grads)`: how many calls' backward passes ran, and
+            their `[N]` ids and `[N, width]` row gradients (`None` if none).
+
+        Raises:
+            ValueError: no row gradients reached this point, but some were
+                recorded and then discarded by a forward pass of another trace
+                (or an eager one): the table's update would be lost silently.
+        """
+        records, self._records = self._records, []
+        dropped, self._dropped = self._dropped, 0
+        if not records and dropped:
+            raise ValueError(
+                f"DispatchOptimizer: table '{self.table.path}' (layer '{self.layer_name}') "
+                f"had row gradients from {dropped} lookup(s), but a forward pass of the "
+                "model in another traced function (or eagerly) ran between computing "
+                "them and `optimizer.apply`, which discards them: the table would not be "
+                "trained. Compute the gradients and apply them in the same traced step, "
+                "without calling the model in another function in between."
+            )
+        if not records:
+            return 0, None, None
+        ids = ops.concatenate([r[1] for r in records], axis=0)
+        grads = ops.concatenate([ops.cast(r[2], "float32") for r in records], axis=0)
+        return len(records), ids, grads
+
+    def _forget_other_traces(self, ids):
+        # Row gradients recorded in another trace were never applied (e.g.
+        # computed and dropped); they are not this step's. Those of this
+        # trace stay: a forward call between the gradient and `apply` (a
+        # custom train step computing metrics) must not lose them. Eager
+        # code has no trace to tell steps apart: a forward call starts anew.
+        token = backend.trace_token(ids)
+        kept = [r for r in self._records if token is not None and r[0] == token]
+        self._dropped += len(self._records) - len(kept)
+        self._records = kept
 
     def valid(self, ids):
         """Boolean mask of the ids inside `[0, num_rows)`."""
@@ -87,14 +129,12 @@ class SparseLookup:
     def __call__(self, ids):
         """Returns `table[ids]`, shape `ids.shape + (width,)`; invalid ids give 0."""
         check_ids_dtype(ids, self.layer_name, self.table.path)
-        # Records left over from an earlier trace were never applied by an
-        # optimizer (e.g. gradients computed and dropped); forget them.
-        self.records = []
+        self._forget_other_traces(ids)
         num_rows = self.table.shape[0]
         valid = self.valid(ids)
         self.num_dropped_ids.assign_add(ops.sum(ops.cast(ops.logical_not(valid), "int32")))
         safe_ids = ops.where(valid, ids, 0)
-        with AutocastScope(None):
+        with compat.read_as_stored():
             rows = backend.read_rows(self.table, safe_ids)
         rows = ops.cast(rows, self.compute_dtype)
         rows = ops.where(ops.expand_dims(valid, -1), rows, ops.zeros_like(rows))
@@ -103,7 +143,8 @@ class SparseLookup:
 
     def _on_backward(self, ids, grads):
         width = self.table.shape[1]
-        self.records.append((ops.reshape(ids, (-1,)), ops.reshape(grads, (-1, width))))
+        self._records.append((backend.trace_token(grads), ops.reshape(ids, (-1,)),
+                              ops.reshape(grads, (-1, width))))
 
 
 def check_ids_dtype(ids, layer_name, table_path):

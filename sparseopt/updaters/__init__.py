@@ -1,13 +1,24 @@
-"""Sparse row updaters: the rules that train embedding tables in place."""
+"""Sparse row updaters: the rules that train embedding tables in place.
+
+Every module of this package is imported here, so that a new updater file is
+registered (`registry()`) and covered by the registry-driven tests without
+editing any list.
+"""
+
+import importlib
+import pkgutil
 
 from sparseopt.updaters.adagrad import Adagrad
-from sparseopt.updaters.base import SlotSpec, Updater
+from sparseopt.updaters.base import SlotSpec, Updater, registry
 from sparseopt.updaters.ftrl import Ftrl
 from sparseopt.updaters.keras_conversion import (
     from_keras_optimizer, from_sparsecore_spec, to_keras_optimizer, to_sparsecore_spec)
 from sparseopt.updaters.rowwise_adagrad import RowwiseAdagrad
 from sparseopt.updaters.sgd import SGD
 
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
 __all__ = ["Adagrad", "Ftrl", "RowwiseAdagrad", "SGD", "SlotSpec", "Updater",
-           "from_keras_optimizer", "from_sparsecore_spec", "to_keras_optimizer",
+           "from_keras_optimizer", "from_sparsecore_spec", "registry", "to_keras_optimizer",
            "to_sparsecore_spec"]

@@ -23,13 +23,20 @@ class Adagrad(Updater):
         initial_accumulator_value: starting value of the accumulator (>= 0).
         epsilon: small constant added inside the square root.
         name: optional name.
+        **options: options every updater takes (e.g. `clipvalue`).
 
     Reference: Duchi et al., 2011, "Adaptive Subgradient Methods".
     """
 
+    keras_optimizer = keras.optimizers.Adagrad
+    test_configs = {
+        "default": {"initial_accumulator_value": 0.1, "epsilon": 1e-7},
+        "no_epsilon": {"initial_accumulator_value": 0.2, "epsilon": 0.0},  # TF's kernel
+    }
+
     def __init__(self, learning_rate=0.001, initial_accumulator_value=0.1,
-                 epsilon=1e-7, name=None):
-        super().__init__(learning_rate, name=name)
+                 epsilon=1e-7, name=None, **options):
+        super().__init__(learning_rate, name=name, **options)
         if initial_accumulator_value < 0:
             raise ValueError(
                 "Adagrad: `initial_accumulator_value` must be >= 0, got "
@@ -43,6 +50,21 @@ class Adagrad(Updater):
         acc = state["accumulator"] + ops.square(grads)
         rows = rows - learning_rate * grads / ops.sqrt(acc + self.epsilon)
         return rows, {"accumulator": acc}
+
+    def tf_kernel(self):
+        # ApplyAdagradV2 divides by sqrt(acc) + epsilon: the Keras form
+        # sqrt(acc + epsilon) exactly only when epsilon is 0.
+        return "adagrad" if self.epsilon == 0.0 else None
+
+    def to_keras(self):
+        return keras.optimizers.Adagrad(
+            self.learning_rate, initial_accumulator_value=self.initial_accumulator_value,
+            epsilon=self.epsilon)
+
+    @classmethod
+    def from_keras(cls, learning_rate, config, where=""):
+        return cls(learning_rate, initial_accumulator_value=config["initial_accumulator_value"],
+                   epsilon=config["epsilon"])
 
     def get_config(self):
         return {**super().get_config(),

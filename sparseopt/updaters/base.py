@@ -5,12 +5,38 @@ needs (full `[V, D]` or one scalar per row) and maps the touched rows of a
 table, their state rows and their summed gradients to new rows and new state
 rows. It never sees the whole table: the machinery around it (dedup, gather,
 scatter in place) lives in `sparseopt.sparse_apply` and the backend modules.
+
+Each updater class is also an entry of the rule table (`registry()`, after
+FBGEMM's table of optimizers): it carries what it supports, namely its
+slots, the TensorFlow kernel that computes exactly its rule (`tf_kernel`), its
+Keras optimizer equivalent (`keras_optimizer`, `to_keras`, `from_keras`,
+which keras-rs and SparseCore conversions go through), and the
+hyperparameter sets the test suite runs it with (`test_configs`). Defining a
+subclass registers it; the tests enumerate the registry.
 """
 
 import dataclasses
 
 import keras
 from keras import ops
+
+from sparseopt.updaters.transforms import chain, transforms_from
+
+_REGISTRY = {}
+
+
+def registry(shipped_only=False):
+    """`{name: Updater class}` of every updater class defined so far.
+
+    Args:
+        shipped_only: only sparseopt's own (those in `sparseopt.updaters`),
+            keyed by class name; else every subclass (users' too), keyed by
+            module and name.
+    """
+    if shipped_only:
+        return {c.__name__: c for k, c in _REGISTRY.items()
+                if k.startswith("sparseopt.updaters.")}
+    return dict(_REGISTRY)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,14 +66,67 @@ class Updater:
     `keras.optimizers.schedules.LearningRateSchedule` evaluated at the
     optimizer's step count.
 
+    Options every updater takes (see `sparseopt.updaters.transforms`),
+    applied around the rule to the touched rows only:
+
+    - `clipvalue`: clip each entry of a row's summed gradient to
+      `[-clipvalue, clipvalue]` before the rule.
+
     Args:
         learning_rate: float or `LearningRateSchedule`.
         name: optional name, used in variable names and messages.
+        **options: the options above.
     """
 
     slots = ()
+    # The Keras optimizer class with the same rule (keras-rs TableConfig), if any.
+    keras_optimizer = None
+    # `{case name: constructor kwargs besides learning_rate}` the tests run.
+    test_configs = {"default": {}}
 
-    def __init__(self, learning_rate, name=None):
+    # Capabilities hold for the class that declares them only: a subclass may
+    # change the rule, so it gets none it does not declare itself.
+    _CAPABILITIES = ("keras_optimizer", "tf_kernel", "to_keras", "from_keras")
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in cls._CAPABILITIES:
+            if name not in cls.__dict__:
+                setattr(cls, name, Updater.__dict__[name])
+        _REGISTRY[f"{cls.__module__}.{cls.__qualname__}"] = cls
+
+    def tf_kernel(self):
+        """Name of TF's fused sparse kernel computing exactly this rule, or None.
+
+        Known names: `"sgd"` (`ResourceScatterSub`), `"adagrad"`
+        (`ResourceSparseApplyAdagradV2`), `"ftrl"` (`ResourceSparseApplyFtrl`).
+        """
+        return None
+
+    def to_keras(self):
+        """The Keras optimizer with this rule and hyperparameters.
+
+        Raises:
+            ValueError: where Keras has none (or not for these settings).
+        """
+        raise ValueError(
+            f"sparseopt: {type(self).__name__} has no Keras optimizer equivalent (Keras "
+            "and keras-rs TableConfig know SGD, Adagrad, Adam and FTRL); keep it on a "
+            "sparseopt.layers.SparseEmbedding table."
+        )
+
+    @classmethod
+    def from_keras(cls, learning_rate, config, where=""):
+        """The updater for a `keras_optimizer` with this Keras `config`.
+
+        Args:
+            learning_rate: float or schedule, already converted.
+            config: the Keras optimizer's `get_config()`.
+            where: " for table '...'" or "", for messages.
+        """
+        raise NotImplementedError(cls.__name__)
+
+    def __init__(self, learning_rate, name=None, **options):
         if isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule):
             self.learning_rate = learning_rate
         elif isinstance(learning_rate, (int, float)) and not isinstance(learning_rate, bool):
@@ -64,6 +143,22 @@ class Updater:
                 f"{learning_rate!r}."
             )
         self.name = name or _snake(type(self).__name__)
+        self.transforms = transforms_from(type(self).__name__, options)
+        self.options = {k: float(v) for k, v in options.items() if v is not None}
+
+    def fused_kernel(self):
+        """The TF kernel that computes this updater's whole step, or None.
+
+        `tf_kernel()` where no option is set: kernels know the bare rule only.
+        """
+        return None if self.transforms else self.tf_kernel()
+
+    def apply_rule(self, rows, state, grads, learning_rate, step):
+        """The rule with the updater's options around it (what the machinery calls).
+
+        Same arguments and result as `update`.
+        """
+        return chain(self.transforms, self.update, rows, state, grads, learning_rate, step)
 
     def learning_rate_at(self, step):
         """The learning rate at `step` (the optimizer's 0-based iteration)."""
@@ -90,7 +185,7 @@ class Updater:
         lr = self.learning_rate
         if not isinstance(lr, float):
             lr = keras.saving.serialize_keras_object(lr)
-        return {"learning_rate": lr, "name": self.name}
+        return {"learning_rate": lr, "name": self.name, **self.options}
 
     @classmethod
     def from_config(cls, config):

@@ -35,16 +35,30 @@ class Ftrl(Updater):
             `learning_rate_power == 0`).
         multiply_linear_by_learning_rate: see above.
         name: optional name.
+        **options: options every updater takes (e.g. `clipvalue`).
 
     Reference: McMahan et al., 2013, "Ad Click Prediction: a View from the
     Trenches".
     """
 
+    keras_optimizer = keras.optimizers.Ftrl
+    test_configs = {
+        "default": {},
+        "l1_l2_beta": {"l1_regularization_strength": 0.002, "l2_regularization_strength": 0.05,
+                       "beta": 0.3},
+        "linear_by_lr": {"l1_regularization_strength": 0.002,
+                         "l2_regularization_strength": 0.05, "beta": 0.3,
+                         "multiply_linear_by_learning_rate": True},
+        "power": {"learning_rate_power": -0.3, "l1_regularization_strength": 0.001,
+                  "initial_accumulator_value": 0.2},
+        "l1_l2": {"l1_regularization_strength": 0.01, "l2_regularization_strength": 0.01},
+    }
+
     def __init__(self, learning_rate=0.001, learning_rate_power=-0.5,
                  l1_regularization_strength=0.0, l2_regularization_strength=0.0,
                  beta=0.0, initial_accumulator_value=0.1,
-                 multiply_linear_by_learning_rate=False, name=None):
-        super().__init__(learning_rate, name=name)
+                 multiply_linear_by_learning_rate=False, name=None, **options):
+        super().__init__(learning_rate, name=name, **options)
         checks = {
             "learning_rate_power": (learning_rate_power, learning_rate_power <= 0, "<= 0"),
             "l1_regularization_strength": (l1_regularization_strength, l1_regularization_strength >= 0, ">= 0"),
@@ -92,6 +106,34 @@ class Ftrl(Updater):
         # clip(z, -t, t) - z is 0 inside the band and sign(z) t - z outside.
         rows = (ops.clip(z_new, -threshold, threshold) - z_new) / denom
         return rows, {"accumulator": n_new, "linear": z_new}
+
+    def tf_kernel(self):
+        return "ftrl"  # TF's kernel takes beta folded into l2, as Keras' Ftrl does
+
+    def to_keras(self):
+        if self.multiply_linear_by_learning_rate:
+            raise ValueError(
+                "sparseopt: Ftrl(multiply_linear_by_learning_rate=True) has no Keras "
+                "optimizer equivalent; use the default (False) to convert it."
+            )
+        return keras.optimizers.Ftrl(
+            self.learning_rate, learning_rate_power=self.learning_rate_power,
+            initial_accumulator_value=self.initial_accumulator_value,
+            l1_regularization_strength=self.l1_regularization_strength,
+            l2_regularization_strength=self.l2_regularization_strength, beta=self.beta)
+
+    @classmethod
+    def from_keras(cls, learning_rate, config, where=""):
+        if config.get("l2_shrinkage_regularization_strength"):
+            raise ValueError(
+                f"sparseopt: Ftrl `l2_shrinkage_regularization_strength`{where} is not "
+                "supported; use `l2_regularization_strength`."
+            )
+        return cls(learning_rate, learning_rate_power=config["learning_rate_power"],
+                   l1_regularization_strength=config["l1_regularization_strength"],
+                   l2_regularization_strength=config["l2_regularization_strength"],
+                   beta=config["beta"],
+                   initial_accumulator_value=config["initial_accumulator_value"])
 
     def get_config(self):
         return {**super().get_config(),

@@ -9,14 +9,16 @@ refused with what to change, never dropped.
 
 import keras
 
-from sparseopt.updaters.adagrad import Adagrad
-from sparseopt.updaters.ftrl import Ftrl
-from sparseopt.updaters.sgd import SGD
+from sparseopt import compat
+from sparseopt.updaters.base import registry
 
 # Options of keras.optimizers.Optimizer that a per-table sparse rule cannot honour.
 _UNSUPPORTED_BASE = {
     "clipnorm": "clip the table's gradient",
-    "clipvalue": "clip the table's gradient",
+    # The same meaning as the updaters' own `clipvalue` option; converting the
+    # options is left to the optimizer-options work, which adds the others.
+    "clipvalue": "carry clipping over from a Keras optimizer yet (set the "
+                 "updater's own `clipvalue`)",
     "global_clipnorm": "clip the table's gradient",
     "weight_decay": "decay every row each step (use FTRL's l2_regularization_strength)",
     "use_ema": "average every row each step",
@@ -51,32 +53,17 @@ def from_keras_optimizer(optimizer, table=None):
                 f"is not supported: a sparse table update cannot {what}. Remove it."
             )
     lr = _learning_rate(config["learning_rate"], where)
-    if isinstance(optimizer, keras.optimizers.SGD):
-        if config.get("momentum") or config.get("nesterov"):
-            raise ValueError(
-                f"sparseopt: SGD momentum/nesterov{where} is not supported for tables "
-                "(momentum would have to decay every row each step). Use "
-                "keras.optimizers.SGD(learning_rate) or Adagrad."
-            )
-        return SGD(lr)
-    if isinstance(optimizer, keras.optimizers.Adagrad):
-        return Adagrad(lr, initial_accumulator_value=config["initial_accumulator_value"],
-                       epsilon=config["epsilon"])
-    if isinstance(optimizer, keras.optimizers.Ftrl):
-        if config.get("l2_shrinkage_regularization_strength"):
-            raise ValueError(
-                f"sparseopt: Ftrl `l2_shrinkage_regularization_strength`{where} is not "
-                "supported; use `l2_regularization_strength`."
-            )
-        return Ftrl(lr, learning_rate_power=config["learning_rate_power"],
-                    l1_regularization_strength=config["l1_regularization_strength"],
-                    l2_regularization_strength=config["l2_regularization_strength"],
-                    beta=config["beta"],
-                    initial_accumulator_value=config["initial_accumulator_value"])
+    for entry in registry(shipped_only=True).values():
+        if entry.keras_optimizer is not None and isinstance(optimizer, entry.keras_optimizer):
+            return entry.from_keras(lr, config, where)
+    # Simplest first (fewest state slots): "SGD, Adagrad or Ftrl".
+    known = sorted((e for e in registry(shipped_only=True).values() if e.keras_optimizer),
+                   key=lambda e: (len(e().slots), e.__name__))
+    names = [e.keras_optimizer.__name__ for e in known]
     raise ValueError(
         f"sparseopt: {type(optimizer).__name__}{where} has no sparse, per-row "
-        "equivalent here (sparseopt trains tables with SGD, Adagrad, row-wise Adagrad "
-        "and FTRL). Choose keras.optimizers.SGD, Adagrad or Ftrl for this table."
+        f"equivalent here (sparseopt trains tables with {', '.join(registry(True))}). "
+        f"Choose keras.optimizers.{', '.join(names[:-1])} or {names[-1]} for this table."
     )
 
 
@@ -86,7 +73,8 @@ def to_keras_optimizer(updater):
     This is what keras-rs' `TableConfig(optimizer=...)` accepts.
 
     Args:
-        updater: a `sparseopt.updaters.SGD`, `Adagrad` or `Ftrl`.
+        updater: a `sparseopt.updaters.Updater` whose entry has a Keras
+            equivalent (`SGD`, `Adagrad`, `Ftrl`).
 
     Returns:
         A `keras.optimizers.SGD`, `Adagrad` or `Ftrl`.
@@ -96,30 +84,12 @@ def to_keras_optimizer(updater):
             custom updaters) and for FTRL with
             `multiply_linear_by_learning_rate=True`.
     """
-    lr = updater.learning_rate
-    if type(updater) is SGD:
-        return keras.optimizers.SGD(lr)
-    if type(updater) is Adagrad:
-        return keras.optimizers.Adagrad(
-            lr, initial_accumulator_value=updater.initial_accumulator_value,
-            epsilon=updater.epsilon)
-    if type(updater) is Ftrl:
-        if updater.multiply_linear_by_learning_rate:
-            raise ValueError(
-                "sparseopt: Ftrl(multiply_linear_by_learning_rate=True) has no Keras "
-                "optimizer equivalent; use the default (False) to convert it."
-            )
-        return keras.optimizers.Ftrl(
-            lr, learning_rate_power=updater.learning_rate_power,
-            initial_accumulator_value=updater.initial_accumulator_value,
-            l1_regularization_strength=updater.l1_regularization_strength,
-            l2_regularization_strength=updater.l2_regularization_strength,
-            beta=updater.beta)
-    raise ValueError(
-        f"sparseopt: {type(updater).__name__} has no Keras optimizer equivalent (Keras "
-        "and keras-rs TableConfig know SGD, Adagrad, Adam and FTRL); keep it on a "
-        "sparseopt.layers.SparseEmbedding table."
-    )
+    if updater.options:
+        raise ValueError(
+            f"sparseopt: {type(updater).__name__} options {sorted(updater.options)} are "
+            "not converted to a Keras optimizer yet; remove them to convert it."
+        )
+    return updater.to_keras()
 
 
 def _learning_rate(value, where):
@@ -171,10 +141,9 @@ def from_sparsecore_spec(spec):
 
 def _jte_conversion():
     try:
-        from keras_rs.src.layers.embedding.jax import config_conversion
+        return compat.sparsecore_config_conversion()
     except ImportError as e:
         raise ImportError(
             "sparseopt: SparseCore optimizer specs need keras-rs and jax-tpu-embedding "
             "(`pip install 'sparseopt[keras-rs,sparsecore]'`, Linux x86-64)."
         ) from e
-    return config_conversion

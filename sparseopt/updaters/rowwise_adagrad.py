@@ -20,11 +20,18 @@ class RowwiseAdagrad(Updater):
         initial_accumulator_value: starting value of `G` (>= 0).
         epsilon: added to `sqrt(G)`.
         name: optional name.
+        **options: options every updater takes (e.g. `clipvalue`).
     """
 
+    test_configs = {
+        "default": {"initial_accumulator_value": 0.0, "epsilon": 1e-8},
+        "init": {"initial_accumulator_value": 0.5, "epsilon": 1e-3},
+        "small_init": {"initial_accumulator_value": 0.05},
+    }
+
     def __init__(self, learning_rate=0.01, initial_accumulator_value=0.0,
-                 epsilon=1e-8, name=None):
-        super().__init__(learning_rate, name=name)
+                 epsilon=1e-8, name=None, **options):
+        super().__init__(learning_rate, name=name, **options)
         if initial_accumulator_value < 0:
             raise ValueError(
                 "RowwiseAdagrad: `initial_accumulator_value` must be >= 0, got "

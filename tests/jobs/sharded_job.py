@@ -108,11 +108,10 @@ def distribution(layout):
 
 
 def table_state(model, name):
-    """A table and all of its optimizer variables (state and dedup workspace)."""
-    prefix = f"{name}_embeddings_"
+    """A table and all of its optimizer variables (state, skip count, dedup workspace)."""
     table = model.get_layer(name).embeddings
-    return [table] + [v for v in model.optimizer.variables
-                      if v.path.split("/")[-1].startswith(prefix)]
+    trainer = model.optimizer.table_trainer(table)
+    return [table, *trainer.saved_variables, *trainer.scratch_variables]
 
 
 def this_process(array):
@@ -132,8 +131,8 @@ def to_numpy(value):
 def everything(model):
     """Every weight and every optimizer state variable (not the dedup scratch), by path."""
     saved = {f"w:{v.path}": to_numpy(v.value) for v in model.weights}
-    saved.update({f"opt:{v.path}": to_numpy(v.value) for v in model.optimizer.variables
-                  if "dedup_workspace" not in v.path})
+    saved.update({f"opt:{v.path}": to_numpy(v.value)
+                  for v in model.optimizer.state_variables()})
     return saved
 
 

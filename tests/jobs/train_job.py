@@ -79,9 +79,8 @@ def data():
 def state(model):
     """Every model weight and every optimizer state variable, by path."""
     out = {f"weight:{v.path}": keras.ops.convert_to_numpy(v) for v in model.weights}
-    for i, v in enumerate(model.optimizer.variables):
-        if "dedup_workspace" not in v.path:
-            out[f"optimizer:{i}:{v.path}"] = keras.ops.convert_to_numpy(v)
+    for i, v in enumerate(model.optimizer.state_variables()):
+        out[f"optimizer:{i}:{v.path}"] = keras.ops.convert_to_numpy(v)
     return out
 
 

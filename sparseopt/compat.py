@@ -1,0 +1,165 @@
+"""Every use of a private Keras, TensorFlow or keras-rs API, in one place.
+
+sparseopt needs a few things these libraries do not export. Each is wrapped
+here, with what it relies on, so that an upgrade that changes one fails in
+this module (and in tests/test_compat.py) instead of somewhere deep in a step.
+
+Checked against: keras 3.15.1, tensorflow 2.21.0, jax 0.10.2, keras-rs 0.4.0
+(the ranges pinned in pyproject.toml).
+"""
+
+import sys
+
+import keras
+
+CHECKED = {"keras": "3.15", "tensorflow": "2.21", "keras_rs": "0.4"}
+
+
+# -- Keras -------------------------------------------------------------------
+
+def read_as_stored():
+    """A context in which variables are read in their stored dtype (no autocast).
+
+    What a layer with `autocast=False` uses: the lookup casts the few rows it
+    reads, never the table.
+    """
+    from keras.src.backend import AutocastScope
+
+    return AutocastScope(None)
+
+
+def current_path():
+    """Keras' name-scope path of a variable created here (what a LayoutMap matches)."""
+    from keras.src.backend.common.name_scope import current_path as path
+
+    return path()
+
+
+def layout_of(variable):
+    """The `keras.distribution.TensorLayout` a variable was created with, or None."""
+    layout = getattr(variable, "_layout", None)
+    return layout if isinstance(layout, keras.distribution.TensorLayout) else None
+
+
+def variable_stand_in(path, shape):
+    """What `Distribution.get_variable_layout` reads of a variable not yet created."""
+    import types
+
+    return types.SimpleNamespace(path=path, shape=tuple(shape), _layout=None)
+
+
+def add_weights_to_built_layer(layer, make):
+    """Runs `make()` (which adds weights to `layer`) although `layer` is built.
+
+    Keras locks a built layer's state; keras-rs' layers are built before the
+    optimizer that reads them sparsely.
+    """
+    layer._tracker.unlock()
+    try:
+        return make()
+    finally:
+        layer._lock_state()
+
+
+def embedding_variable(layer):
+    """The table variable of a `keras.layers.Embedding` (its `_embeddings`)."""
+    return layer._embeddings
+
+
+def sublayers(model):
+    """Every layer inside `model`, recursively (Keras' own traversal)."""
+    return list(model._flatten_layers(include_self=False, recursive=True))
+
+
+def set_initial_epoch(model, epoch):
+    """Makes `fit` start at `epoch`, as Keras' own `BackupAndRestore` does."""
+    model._initial_epoch = epoch
+
+
+def jax_train_state(model, batch):
+    """Builds `model` for `batch` and returns the state tuple its JAX train step takes.
+
+    What `fit` threads through `jax.jit(model.train_step, donate_argnums=0)`:
+    trainable, non-trainable, optimizer and metrics variables.
+    """
+    model._symbolic_build(data_batch=batch)
+    return tuple(model._get_jax_state(trainable_variables=True, non_trainable_variables=True,
+                                      optimizer_variables=True, metrics_variables=True))
+
+
+def model_building(optimizer):
+    """The Keras model that `optimizer` is being built for, or None.
+
+    Keras hands an optimizer the model's variables, never the model. The
+    model is found on the call stack: the nearest frame holding (as `self`,
+    when Keras' trainer builds it in `fit`, `evaluate`, `train_on_batch` or
+    `compile_from_config`, or as a local, when code calls
+    `model.optimizer.build(model.trainable_variables)`) a model whose
+    optimizer is `optimizer` or wraps it. This reads a few dozen frames,
+    never the heap, and only ever a model compiled with this optimizer.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        local = frame.f_locals
+        owner = local.get("self")
+        candidates = [owner] if isinstance(owner, keras.Model) else []
+        candidates += [v for v in local.values() if isinstance(v, keras.Model) and v is not owner]
+        for model in candidates:
+            if _wraps(getattr(model, "optimizer", None), optimizer):
+                return model
+        frame = frame.f_back
+    return None
+
+
+def wrapper_building(optimizer):
+    """The `LossScaleOptimizer` whose `build` is building `optimizer`, or None.
+
+    `LossScaleOptimizer.build` builds its inner optimizer: the wrapper is the
+    `self` of a frame on the call stack (read up to the model, a few dozen
+    frames) whose `inner_optimizer` is `optimizer`.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if (isinstance(owner, keras.optimizers.LossScaleOptimizer)
+                and getattr(owner, "inner_optimizer", None) is optimizer):
+            return owner
+        if isinstance(owner, keras.Model):
+            return None
+        frame = frame.f_back
+    return None
+
+
+def _wraps(outer, inner):
+    while outer is not None:
+        if outer is inner:
+            return True
+        outer = getattr(outer, "inner_optimizer", None)
+    return False
+
+
+# -- TensorFlow --------------------------------------------------------------
+
+def in_xla_context():
+    """Whether TF is building an XLA cluster (`jit_compile=True`) right now."""
+    import tensorflow as tf
+    from tensorflow.python.ops import control_flow_util
+
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+# -- keras-rs ----------------------------------------------------------------
+
+def default_device_features(layer):
+    """`{feature path: (FeatureConfig, EmbedReduce layer)}` of a built
+    `keras_rs.layers.DistributedEmbedding` placed on the default device (CPU/GPU)."""
+    configs = layer._placement_to_path_to_feature_config.get("default_device", {})
+    return {path: (feature, layer._default_device_embedding_layers[path])
+            for path, feature in configs.items()}
+
+
+def sparsecore_config_conversion():
+    """keras-rs' conversion between Keras optimizers and SparseCore optimizer specs."""
+    from keras_rs.src.layers.embedding.jax import config_conversion
+
+    return config_conversion
