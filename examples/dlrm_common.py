@@ -107,7 +107,10 @@ class StepTimer(keras.callbacks.Callback):
 
 def state_bytes(optimizer, scratch=False):
     """Bytes of the optimizer's state (or of its dedup scratch, on JAX)."""
-    variables = optimizer.scratch_variables() if scratch else optimizer.state_variables()
+    if not isinstance(optimizer, sparseopt.DispatchOptimizer):  # plain Keras: all state
+        variables = [] if scratch else optimizer.variables
+    else:
+        variables = optimizer.scratch_variables() if scratch else optimizer.state_variables()
     return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
 
 

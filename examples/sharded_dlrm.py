@@ -26,8 +26,8 @@ def parse_args():
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
     parser.add_argument("--min-rows", type=int, default=10_000, help="shard tables this large")
     parser.add_argument("--examples", type=int, default=1_200_000)
-    parser.add_argument("--validation", type=int, default=VALIDATION_EXAMPLES,
-                        help="held-out examples for the validation loss")
+    parser.add_argument("--validation", type=int, default=None,
+                        help="held-out examples for the validation loss (default 50,000)")
     parser.add_argument("--chunks", type=int, default=4, help="validation points in the pass")
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--width", type=int, default=16)
@@ -61,7 +61,7 @@ def main():
     keras.distribution.set_distribution(sparseopt.distribution.row_sharded(
         [f"table_{f}/embeddings" for f in sharded]))
 
-    x, y, _ = synthetic_clicks(args.examples + args.validation, sizes)
+    x, y, _ = synthetic_clicks(args.examples + (args.validation or VALIDATION_EXAMPLES), sizes)
     (train_x, val_x), (train_y, val_y) = split_at(x, args.examples), split_at(y, args.examples)
     print(f"sparseopt {sparseopt.__version__}, Keras {keras.__version__}, "
           f"{devices} {keras.distribution.list_devices()[0].split(':')[0]} devices")
