@@ -20,13 +20,14 @@ def run_example(name, *args):
 
 @pytest.mark.parametrize("name", ["dlrm_synthetic.py", "keras_rs_dlrm.py"])
 def test_example_trains_and_reports(name):
-    # The demo also trains plain Keras for a few steps to compare (`make demo`).
-    compare = "3" if name == "dlrm_synthetic.py" else "0"
+    # The demo also trains plain Keras for a few steps to compare (`make demo`,
+    # JAX); checked on JAX, where the TF session's time is tighter.
+    compare = "3" if name == "dlrm_synthetic.py" and keras.backend.backend() == "jax" else "0"
     out = run_example(name, "--examples", "30000", "--validation", "5000", "--chunks", "1",
                       "--compare-steps", compare, "--scale", "0.01")
     assert "val loss" in out and "ms/step" in out
     assert "table steps skipped for non-finite gradients: 0" in out
-    if name == "dlrm_synthetic.py":
+    if compare != "0":
         assert "plain Keras: Embedding + Adam" in out
     if name == "keras_rs_dlrm.py":
         assert "each trained by its TableConfig.optimizer" in out
