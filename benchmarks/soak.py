@@ -19,6 +19,7 @@ against steps).
 """
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -84,14 +85,15 @@ def child(args):
     class Record(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
             opt = self.model.optimizer
-            samples.append({
-                "step": (epoch + 1) * STEPS_PER_SAMPLE,
-                "rss_mb": memory_mb("VmRSS:"),
-                "loss": float(logs["loss"]),
-                "seconds": time.perf_counter() - start,
-                "skipped_steps": sum(opt.skipped_steps().values()),
-                "dropped_ids": sum(opt.dropped_ids().values()),
-            })
+            # Read the step's results first: that waits for the steps still in
+            # flight (JAX dispatches ahead), whose buffers would otherwise count
+            # as growth; and collect Python garbage, which is not a leak.
+            sample = {"step": (epoch + 1) * STEPS_PER_SAMPLE, "loss": float(logs["loss"]),
+                      "skipped_steps": sum(opt.skipped_steps().values()),
+                      "dropped_ids": sum(opt.dropped_ids().values())}
+            gc.collect()
+            samples.append(dict(sample, rss_mb=memory_mb("VmRSS:"),
+                                seconds=time.perf_counter() - start))
             print(json.dumps({"progress": samples[-1]}), flush=True)
 
     model.fit(stream(), steps_per_epoch=STEPS_PER_SAMPLE,
@@ -157,6 +159,10 @@ def main():
     parser.add_argument("--steps", type=int, default=100_000)
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "soak.json"))
+    parser.add_argument("--smoke", action="store_true",
+                        help="report the verdict without failing on it: a run of a few "
+                             "thousand steps next to other work is too short to judge "
+                             "a 1 MB per 10k steps slope (RSS moves by a few MB)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -201,7 +207,7 @@ def main():
         json.dump(results, f, indent=1)
     plot(results, os.path.splitext(args.out)[0] + ".png")
     print(f"\nwrote {args.out} and {os.path.splitext(args.out)[0]}.png")
-    if any(r["verdict"]["flat"] is False for r in results):
+    if not args.smoke and any(r["verdict"]["flat"] is False for r in results):
         raise SystemExit("memory grew: see above")
 
 
