@@ -44,15 +44,15 @@ def declared_tables(variables, model=None):
         model: the Keras model they belong to, if known.
     """
     wanted = {id(v) for v in variables}
+    model_layers = compat.sublayers(model) if model is not None else []
     layers = {}
     for var in variables:
         lookup = getattr(var, "_sparseopt_lookup", None)
         layer = lookup.layer if lookup is not None else None
         if layer is not None:
             layers[id(layer)] = layer
-    if model is not None:
-        for layer in compat.sublayers(model):
-            layers.setdefault(id(layer), layer)
+    for layer in model_layers:
+        layers.setdefault(id(layer), layer)
     found = {}
     for layer in layers.values():
         for var, updater in _declared_by(layer):
@@ -60,7 +60,7 @@ def declared_tables(variables, model=None):
                 found[id(var)] = Declared(updater, f"layer '{layer.name}'")
     if model is not None:
         with backend.outside_trace():  # reads optimizer configs (TF builds in a trace)
-            tables = default_device_tables(compat.sublayers(model), wanted)
+            tables = default_device_tables(model_layers, wanted)
         for key, (updater, owner, reader) in tables.items():
             found.setdefault(key, Declared(updater, owner, reader))
     return found

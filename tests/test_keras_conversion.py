@@ -13,6 +13,7 @@ import pytest
 import sparseopt
 from sparseopt.updaters import from_keras_optimizer, to_keras_optimizer
 from tests.conftest import to_np
+from tests.helpers import registered_cases
 
 SCHEDULE = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
 PAIRS = {
@@ -180,9 +181,7 @@ def test_settings_sparsecore_cannot_honour_are_refused(updater, message):
         sparseopt.updaters.to_sparsecore_spec(updater)
 
 
-REGISTERED = {f"{name}:{case}": (entry, cfg)
-              for name, entry in sparseopt.updaters.registry(shipped_only=True).items()
-              for case, cfg in entry.test_configs.items()}
+REGISTERED = registered_cases()
 
 
 @pytest.mark.parametrize("case", sorted(REGISTERED))

@@ -15,12 +15,10 @@ from hypothesis import strategies as st
 import sparseopt
 from tests import reference
 from tests.conftest import to_np
-from tests.helpers import dot_loss, table_model
+from tests.helpers import dot_loss, registered_cases, table_model
 
 # Every shipped updater with every hyperparameter set its registry entry names.
-RULES = {f"{name}:{case}": (name, cfg)
-         for name, entry in sparseopt.updaters.registry(shipped_only=True).items()
-         for case, cfg in entry.test_configs.items()}
+RULES = {key: (entry.__name__, cfg) for key, (entry, cfg) in registered_cases().items()}
 VOCABS = [1, 7, 40, 300]
 # JAX compiles every step with XLA; TF traces a graph, or compiles it with XLA.
 MODES = {"jax": ["jit"], "tensorflow": ["traced", "xla"]}[keras.backend.backend()]

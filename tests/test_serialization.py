@@ -6,7 +6,7 @@ import pytest
 
 import sparseopt
 from tests.conftest import to_np
-from tests.helpers import batches, dot_loss, optimizer_state, table_model
+from tests.helpers import batches, dot_loss, optimizer_state, registered_cases, table_model
 
 UPDATERS = [
     sparseopt.updaters.SGD(0.3),
@@ -119,9 +119,7 @@ def test_wrapped_optimizer_is_saved_once_and_loads_before_build_without_warnings
         again.load_weights(path)
 
 
-REGISTERED = {f"{name}:{case}": (entry, cfg)
-              for name, entry in sparseopt.updaters.registry(shipped_only=True).items()
-              for case, cfg in entry.test_configs.items()}
+REGISTERED = registered_cases()
 
 
 @pytest.mark.parametrize("case", sorted(REGISTERED))

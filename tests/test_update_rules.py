@@ -14,8 +14,7 @@ VOCAB, WIDTH, N_IDS, BATCH, STEPS = 300, 4, 5, 8, 50
 REGISTRY = sparseopt.updaters.registry(shipped_only=True)
 # ... and with each option every updater takes (sparseopt.updaters.transforms).
 OPTIONS = {"clipvalue": 0.05}
-CASES = {f"{name}:{case}": (name, cfg) for name, entry in REGISTRY.items()
-         for case, cfg in entry.test_configs.items()}
+CASES = {key: (entry.__name__, cfg) for key, (entry, cfg) in registered_cases().items()}
 CASES.update({f"{name}:default+{option}": (name, {**entry.test_configs["default"], option: value})
               for name, entry in REGISTRY.items() for option, value in OPTIONS.items()})
 DEFAULTS = [f"{name}:default" for name in REGISTRY]
