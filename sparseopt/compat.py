@@ -8,6 +8,7 @@ Checked against: keras 3.15.1, tensorflow 2.21.0, jax 0.10.2, keras-rs 0.4.0
 (the ranges pinned in pyproject.toml).
 """
 
+import contextlib
 import sys
 
 import keras
@@ -48,17 +49,45 @@ def variable_stand_in(path, shape):
     return types.SimpleNamespace(path=path, shape=tuple(shape), _layout=None)
 
 
-def add_weights_to_built_layer(layer, make):
-    """Runs `make()` (which adds weights to `layer`) although `layer` is built.
+def track_state(layer, variable):
+    """Makes `variable` state of `layer` that is not one of its weights.
 
-    Keras locks a built layer's state; keras-rs' layers are built before the
-    optimizer that reads them sparsely.
+    Keras 3 keeps two lists: `layer.weights` (what `get_weights`,
+    `set_weights` and weights files hold) and `layer.variables`, which adds
+    the state of the layer's `SeedGenerator`s. Trainers thread and
+    differentiate `variables` (`trainable_variables`,
+    `non_trainable_variables`); nothing saves or lists that extra state as
+    weights. A lookup's bookkeeping (probe, dropped-id count) belongs there:
+    it must reach the train step but never a user's weights. Keras only
+    reads `.state` of the entries; it works on built layers too (keras-rs
+    builds its layers before the optimizer reads them sparsely).
     """
-    layer._tracker.unlock()
+    import types
+
+    layer._seed_generators.append(types.SimpleNamespace(state=variable))
+
+
+@contextlib.contextmanager
+def saved_as(layers, class_name):
+    """Within: Keras' weights files key `layers` as if their class were `class_name`.
+
+    Keras' saver names the layers of a list (a functional model's layers,
+    keras-rs' `EmbedReduce`s) by their class name, snake-cased and numbered
+    in order (`embedding`, `embedding_1`, ...); attributes by attribute
+    name. Giving each layer, for the duration, a subclass of its own class
+    with that name reads a file written when those layers had that class.
+    """
+    originals = [(layer, type(layer)) for layer in layers]
+    aliases = {}
+    for layer, cls in originals:
+        if cls not in aliases:
+            aliases[cls] = type(class_name, (cls,), {"__module__": cls.__module__})
+        layer.__class__ = aliases[cls]
     try:
-        return make()
+        yield
     finally:
-        layer._lock_state()
+        for layer, cls in originals:
+            layer.__class__ = cls
 
 
 def embedding_variable(layer):

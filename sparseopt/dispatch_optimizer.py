@@ -196,8 +196,9 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         with keras.name_scope(self.name, caller=self):
             for trainer in self._trainers.values():
                 trainer.build(self)
-        # Each new probe sits right after its table, where the layer's weights
-        # (table, probe) put it in the model's trainable_variables: stateless
+        # Each new probe sits right after its table, where the layer's
+        # variables (its one weight, then its state) put it in the model's
+        # trainable_variables: stateless
         # steps (JAX) pair this list with the model's values by position.
         ordered = [w for v in var_list for w in ([v, added[id(v)]] if id(v) in added else [v])]
         if added and isinstance(given, list):
@@ -344,9 +345,13 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         after `compile`) keeps the values and assigns them when it is built,
         where Keras' optimizers would drop them with a warning. A checkpoint
         that does not match this optimizer's state is an error, never a
-        partial load.
+        partial load; one with no optimizer state leaves it as it is.
         """
         values = [np.array(store[str(i)]) for i in range(len(store.keys()))]
+        if not values:
+            # The file holds no optimizer state (written by a model without an
+            # optimizer, or before compile): there is nothing to restore.
+            return
         if not self.built:
             self._pending_state = values
             return

@@ -62,7 +62,9 @@ def read_sparsely(layer):
     keras-rs' `EmbedReduce.call` gets its rows from `super().call(ids)`
     (Keras' dense `take`) and then applies its weights and combiner. Giving
     the layer a class whose next method in that chain reads differently
-    keeps keras-rs' own weighting and combiners unchanged.
+    keeps keras-rs' own weighting and combiners unchanged (see `_swapped`).
+    The lookup's probe and dropped-id count are layer state, not weights, so
+    the layer's weights and files stay keras-rs' own.
 
     Args:
         layer: the built `EmbedReduce` (a `keras.layers.Embedding`).
@@ -70,13 +72,9 @@ def read_sparsely(layer):
     Returns:
         The `SparseLookup`.
     """
-    lookup = getattr(layer, "_sparseopt_table_lookup", None)
+    lookup = getattr(layer.embeddings, "_sparseopt_lookup", None)
     if lookup is None:
-        # The layer is built, and Keras locks built layers' state; the
-        # lookup adds its two small weights (probe, dropped-id count).
-        lookup = compat.add_weights_to_built_layer(
-            layer, lambda: SparseLookup(layer, layer.embeddings))
-        layer._sparseopt_table_lookup = lookup
+        lookup = SparseLookup(layer, layer.embeddings)
         layer.__class__ = _swapped(type(layer), _LookupTake)
     return lookup
 
@@ -93,18 +91,7 @@ def read_by_gather(layer):
 
 class _LookupTake(keras.layers.Embedding):
     def call(self, inputs):
-        return self._sparseopt_table_lookup(inputs)
-
-    def load_own_variables(self, store):
-        # `Embedding.save_own_variables` writes the table only, so checkpoints
-        # match keras-rs' own; the lookup's probe and dropped-id count are not
-        # state. Embedding's load would count them and refuse.
-        if len(store.keys()) != 1:
-            raise ValueError(
-                f"Layer '{self.name}': expected a checkpoint holding its table only, "
-                f"got {len(store.keys())} variables."
-            )
-        compat.embedding_variable(self).assign(store["0"])
+        return compat.embedding_variable(self)._sparseopt_lookup(inputs)
 
 
 class _GatherTake(keras.layers.Embedding):
@@ -117,7 +104,14 @@ _CLASSES = {}
 
 
 def _swapped(cls, take):
+    """`cls` with `take.call` next in its MRO, under `cls`'s own names.
+
+    The names matter: Keras' saver keys the layers of a list (keras-rs keeps
+    its `EmbedReduce`s in one) by class name, so a renamed class would move
+    the table to another entry of the weights file.
+    """
     if (cls, take) not in _CLASSES:
         # MRO: <new>, cls, take, Embedding: cls's `super().call` reaches take.call.
-        _CLASSES[cls, take] = type(f"Sparse{cls.__name__}", (cls, take), {})
+        _CLASSES[cls, take] = type(cls.__name__, (cls, take), {
+            "__qualname__": cls.__qualname__, "__module__": cls.__module__})
     return _CLASSES[cls, take]

@@ -114,8 +114,8 @@ class LookupRows:
     """Row gradients recorded by a `sparseopt.ops.SparseLookup` (JAX, and TF layers).
 
     The lookup's backward pass records `(ids, row_grads)`, as scaled as the
-    loss was; its probe weight gets a gradient that Keras' loss-scale check
-    sees (NaN when the rows' is not finite).
+    loss was; its probe gets a gradient that Keras' loss-scale check sees
+    (NaN when the rows' is not finite).
     """
 
     def __init__(self, lookup):
@@ -134,21 +134,21 @@ class LookupRows:
             table_name: for messages.
         """
         calls, ids, rows = self.lookup.take_row_gradients()
-        probe_grad = grads.get(id(self.lookup.probe))
+        marker = grads.get(id(self.lookup.probe))
         if ids is None:
             return None  # not looked up (or not differentiated) in this step
-        if probe_grad is None:
+        if marker is None:
             raise ValueError(
-                f"DispatchOptimizer: table '{table_name}' was looked up but its probe "
-                f"weight '{self.lookup.probe.path}' got no gradient; pass all of the "
-                "model's trainable variables to `apply`."
+                f"DispatchOptimizer: table '{table_name}' was looked up but "
+                f"its probe '{self.lookup.probe.path}' got no gradient; pass all of the model's "
+                "trainable variables (`model.trainable_variables`) to `apply`."
             )
-        # The probe's cotangent is 1 per call whose backward ran (NaN if that
-        # call's row gradients were not finite); whatever scaled it (a
-        # wrapping LossScaleOptimizer unscales it) scaled the row gradients
-        # the other way round. (The wrapper's own scale cannot be read here:
-        # on JAX its variables are outside this optimizer's stateless scope.)
-        return ids, rows * (ops.cast(probe_grad, "float32") / float(calls))
+        # The probe's gradient is 1 per call whose backward ran (NaN if that call's
+        # row gradients were not finite); whatever scaled it (a wrapping
+        # LossScaleOptimizer unscales it) scaled the row gradients the other
+        # way round. (The wrapper's own scale cannot be read here: on JAX its
+        # variables are outside this optimizer's stateless scope.)
+        return ids, rows * (ops.cast(marker, "float32") / float(calls))
 
     def dropped_ids(self):
         return int(ops.convert_to_numpy(self.lookup.num_dropped_ids.value))

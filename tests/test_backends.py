@@ -78,8 +78,8 @@ def train_reference_model():
         parts.append(out if combiner else keras.layers.Flatten()(out))
     x = keras.layers.Dense(8, activation="relu", name="hidden")(keras.layers.Concatenate()(parts))
     model = keras.Model(ids, keras.layers.Dense(1, name="out")(x))
-    for v in model.weights:  # the same init on both backends
-        if v.trainable and "sparse_grad" not in v.path:
+    for v in model.weights:  # the same init on both backends (probes: TF weights only)
+        if v.trainable and getattr(v, "_sparseopt_probe_of", None) is None:
             v.assign(rng.uniform(-0.5, 0.5, v.shape).astype("float32"))
     model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
     xs = rng.integers(0, 40, size=(320, 6)).astype("int32")
@@ -87,7 +87,9 @@ def train_reference_model():
     xs[::7, 4] = -1  # padding: dropped
     ys = rng.normal(size=(320, 1)).astype("float32")
     model.fit(xs, ys, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    out = {v.path: keras.ops.convert_to_numpy(v).tolist() for v in model.weights}
+    # The lookups' probes (weights on TF only, values unused) are left out.
+    out = {v.path: keras.ops.convert_to_numpy(v).tolist() for v in model.weights
+           if getattr(v, "_sparseopt_probe_of", None) is None}
     out.update({"optimizer/" + v.path: keras.ops.convert_to_numpy(v).tolist()
                 for v in optimizer_state(model.optimizer)})
     return out

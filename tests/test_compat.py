@@ -47,8 +47,14 @@ def test_keras_internals():
     emb = keras.layers.Embedding(10, 3)
     emb.build((None,))
     assert compat.embedding_variable(emb) is emb.embeddings
-    extra = compat.add_weights_to_built_layer(emb, lambda: emb.add_weight(shape=(), name="x"))
-    assert any(w is extra for w in emb.weights)
+    # State that train steps thread but weight lists and files leave out.
+    state = keras.Variable(keras.initializers.Zeros(), shape=(), trainable=True, name="s")
+    compat.track_state(emb, state)
+    assert [v is state for v in emb.trainable_variables] == [False, True]
+    assert all(v is not state for v in emb.weights) and len(emb.get_weights()) == 1
+    with compat.saved_as([emb], "Other"):
+        assert type(emb).__name__ == "Other" and isinstance(emb, keras.layers.Embedding)
+    assert type(emb) is keras.layers.Embedding
 
     inner = keras.layers.Dense(1, name="inner")
     ids = keras.Input((2,))

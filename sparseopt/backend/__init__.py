@@ -4,7 +4,9 @@ Each backend module provides:
 
 - `tap(rows, probe, ids, on_backward)`: identity on `rows`; its backward pass
   hands the row cotangent to `on_backward(ids, grads)` and gives `probe` the
-  cotangent 1 (NaN when the row cotangent is not finite).
+  cotangent 1 (NaN when the row cotangent is not finite). `PROBE_IS_WEIGHT`:
+  whether the probe must be a weight of its layer for Keras' train step to
+  differentiate it (TF), or can be layer state (JAX).
 - `dedup(ids, grads, num_rows, workspace)`: sum the gradients of equal ids;
   ids outside `[0, num_rows)` are dropped. `WORKSPACE` says whether it needs
   `workspace`, a persistent int32 variable with one entry per row (JAX).
@@ -37,12 +39,12 @@ import keras
 
 if keras.backend.backend() == "jax":
     from sparseopt.backend.jax import (  # noqa: F401
-        SPARSE_GRADIENTS, WORKSPACE, dedup, fill_in_blocks, fused_apply, gather,
+        PROBE_IS_WEIGHT, SPARSE_GRADIENTS, WORKSPACE, dedup, fill_in_blocks, fused_apply, gather,
         gather_from_resource, gradient_slices, has_int64, on_row_shards, outside_trace,
         read_rows, replicas_running_alone, row_shards, scatter, tap, trace_token)
 elif keras.backend.backend() == "tensorflow":
     from sparseopt.backend.tensorflow import (  # noqa: F401
-        SPARSE_GRADIENTS, WORKSPACE, dedup, fill_in_blocks, fused_apply, gather,
+        PROBE_IS_WEIGHT, SPARSE_GRADIENTS, WORKSPACE, dedup, fill_in_blocks, fused_apply, gather,
         gather_from_resource, gradient_slices, has_int64, on_row_shards, outside_trace,
         read_rows, replicas_running_alone, row_shards, scatter, tap, trace_token)
 else:

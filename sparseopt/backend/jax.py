@@ -33,6 +33,11 @@ def tap(rows, probe, ids, on_backward):
     return _tap(rows, probe, ids)
 
 
+# Keras' JAX train step differentiates `model.trainable_variables`: a lookup's
+# probe can be layer state that is not a weight (see SparseLookup).
+PROBE_IS_WEIGHT = False
+
+
 # Dedup writes into a persistent int32 `workspace` with one entry per row
 # (4 bytes a row, one per table: a shared one would chain the tables' updates
 # one after another; measured 10.4 vs 8.6 ms per step on the 26-table demo).

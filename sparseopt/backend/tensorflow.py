@@ -25,6 +25,13 @@ def tap(rows, probe, ids, on_backward):
     return _tap(rows, probe)
 
 
+# Keras' TF train step differentiates `model.trainable_weights` only: a
+# lookup's probe must be a weight of its layer to get its gradient. (Nor can
+# the table's own gradient carry the marker: a `tf.custom_gradient` that
+# reads a variable reads all of it.)
+PROBE_IS_WEIGHT = True
+
+
 # TF copies an initial value into its variable anyway: tables are drawn whole.
 fill_in_blocks = None
 

@@ -127,6 +127,31 @@ class SparseEmbedding(keras.layers.Layer):
         check_ids_dtype(ids, self.name, self.embeddings.path)
         return keras.KerasTensor(self.compute_output_shape(ids.shape), dtype=self.compute_dtype)
 
+    def save_own_variables(self, store):
+        """Saves what `keras.layers.Embedding` saves: the table only.
+
+        The lookup's probe (a weight on TensorFlow, see `SparseLookup`) and
+        dropped-id count are bookkeeping, not state to keep.
+        """
+        store["0"] = self.embeddings
+
+    def load_own_variables(self, store):
+        """Loads the table, also from files of sparseopt 0.1.0.
+
+        Those also hold the lookup's probe and dropped-id count (entries "1"
+        and "2"): they are skipped (the count restarts at 0).
+        """
+        legacy = len(store.keys()) == 3 and tuple(store["1"].shape) == ()
+        if len(store.keys()) != 1 and not legacy:
+            raise ValueError(
+                f"Layer '{self.name}' expected 1 variable (its table), but received "
+                f"{len(store.keys())} variables during loading.")
+        if tuple(store["0"].shape) != tuple(self.embeddings.shape):
+            raise ValueError(
+                f"Layer '{self.name}': the file's table has shape {tuple(store['0'].shape)}, "
+                f"this layer's {tuple(self.embeddings.shape)}.")
+        self.embeddings.assign(store["0"])
+
     def get_config(self):
         return {
             **super().get_config(),

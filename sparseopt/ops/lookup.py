@@ -12,14 +12,23 @@ from sparseopt import backend, compat
 class SparseLookup:
     """Reads rows of a layer's table and routes their gradient to its updater.
 
-    Create one in the owning layer's `build` and call it in `call`. It adds a
-    scalar weight to the layer (`<table>_sparse_grad`, value unused): Keras'
-    loss scaling and skip logic act on that weight's gradient, which is how
-    `DispatchOptimizer` learns the true scale of the row gradients and whether
-    they are finite. The table itself receives no dense gradient.
+    Create one in the owning layer's `build` and call it in `call`. The
+    table receives no dense gradient: its row gradients go to
+    `DispatchOptimizer` on the side. A scalar trainable `probe`
+    (`<table>_sparse_grad`, value unused) gets the gradient 1 (NaN if the
+    row gradients are not finite), which Keras' loss scaling and skip logic
+    act on like any other: that is how the optimizer learns the true scale
+    of the row gradients and whether they are finite.
 
     Ids outside `[0, num_rows)` read a zero row, get no update and are counted
-    in `num_dropped_ids` (a non-trainable weight of the layer).
+    in `num_dropped_ids`.
+
+    Neither is a weight where the backend allows it: `num_dropped_ids` is
+    layer state (in `layer.variables`, which train steps thread, but not in
+    `layer.weights`, `get_weights()` or weights files), and so is `probe` on
+    JAX. Keras' TensorFlow train step differentiates `trainable_weights`
+    only, so there `probe` is a weight of the layer (`SparseEmbedding` still
+    leaves it out of its files).
 
     Rows are read as stored and then cast to the layer's compute dtype, so
     under mixed precision only the looked-up rows are cast, never the table.
@@ -59,14 +68,15 @@ class SparseLookup:
             )
         self.table = table
         base = table.name.replace("/", "_")
-        self.probe = layer.add_weight(
-            shape=(), initializer="zeros", trainable=True, name=f"{base}_sparse_grad",
-            constraint=_PlainOptimizerGuard(layer.name, table.path),
-        )
-        self.num_dropped_ids = layer.add_weight(
-            shape=(), initializer="zeros", dtype="int32", trainable=False,
-            name=f"{base}_dropped_ids",
-        )
+        self.num_dropped_ids = _layer_state(layer, f"{base}_dropped_ids", "int32", False)
+        guard = _PlainOptimizerGuard(layer.name, table.path)
+        if backend.PROBE_IS_WEIGHT:
+            self.probe = layer.add_weight(
+                shape=(), initializer="zeros", trainable=True, name=f"{base}_sparse_grad",
+                constraint=guard)
+        else:
+            self.probe = _layer_state(layer, f"{base}_sparse_grad", layer.variable_dtype, True)
+            self.probe.constraint = guard
         self.layer_name = layer.name
         self.compute_dtype = layer.compute_dtype
         # Weak: the optimizer finds the declaring layer through the lookup,
@@ -173,8 +183,17 @@ def check_ids_dtype(ids, layer_name, table_path):
         )
 
 
+def _layer_state(layer, name, dtype, trainable):
+    """A zero scalar that is state of `layer` but not one of its weights."""
+    with keras.name_scope(layer.name, caller=layer):  # named like the layer's weights
+        variable = keras.Variable(initializer=keras.initializers.Zeros(), shape=(),
+                                  dtype=dtype, trainable=trainable, name=name)
+    compat.track_state(layer, variable)
+    return variable
+
+
 class _PlainOptimizerGuard(keras.constraints.Constraint):
-    """Constraint of the probe weight that refuses training by a plain optimizer.
+    """Constraint of the probe that refuses training by a plain optimizer.
 
     Keras optimizers call a variable's constraint right after updating it.
     `DispatchOptimizer` never hands the probe to an inner optimizer, so this
