@@ -33,8 +33,8 @@ class Case:
         self.table = jnp.full((rows, D), 0.01, jnp.float32)
         self.state = jnp.ones((rows, D), jnp.float32)
         self.space = jnp.zeros((rows,), jnp.int32)
-        (self.uniq, self.summed), _ = _dedup(jnp.zeros((rows,), jnp.int32), self.ids,
-                                             self.grads, rows)
+        (self.uniq, self.summed, _), _ = _dedup(jnp.zeros((rows,), jnp.int32), self.ids,
+                                                self.grads, rows)
 
 
 def _dedup(space, ids, grads, rows):
@@ -71,7 +71,7 @@ def pieces(case):
     r = case.rows
 
     def full(table, state, space, ids, grads):
-        (uniq, summed), space = _dedup(space, ids, grads, r)
+        (uniq, summed, _), space = _dedup(space, ids, grads, r)
         return (*_adagrad(table, state, uniq, summed), space)
 
     return {

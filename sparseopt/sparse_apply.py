@@ -42,17 +42,28 @@ def sparse_apply(updater, table, slots, ids, grads, learning_rate, step, workspa
 def _apply(updater, table, slots, ids, grads, learning_rate, step, workspace):
     num_rows = table.shape[0]
     grads = ops.cast(grads, "float32")
-    uniq, summed = backend.dedup(ids, grads, num_rows, workspace)
+    uniq, summed, count = backend.dedup(ids, grads, num_rows, workspace)
     # A non-finite gradient skips the whole table for this step.
     finite = ops.all(ops.isfinite(grads))
     if backend.fused_apply(updater, table, slots, uniq, summed, learning_rate, finite):
         return finite
-    rows = ops.cast(backend.gather(table.value, uniq), "float32")
-    state = {name: ops.cast(backend.gather(v.value, uniq), "float32") for name, v in slots.items()}
-    new_rows, new_state = updater.apply_rule(rows, state, summed, learning_rate, step)
-    # Skipping selects the old rows back (cheap: only touched rows) instead
-    # of branching.
-    backend.scatter(table, uniq, ops.where(finite, new_rows, rows))
-    for name, var in slots.items():
-        backend.scatter(var, uniq, ops.where(finite, new_state[name], state[name]))
+    names = sorted(slots)
+
+    def update(variables, uniq, summed):
+        table, state_vars = variables[0], dict(zip(names, variables[1:]))
+        rows = ops.cast(backend.gather(table.value, uniq), "float32")
+        state = {n: ops.cast(backend.gather(v.value, uniq), "float32")
+                 for n, v in state_vars.items()}
+        new_rows, new_state = updater.apply_rule(rows, state, summed, learning_rate, step)
+        # Skipping selects the old rows back (cheap: only touched rows)
+        # instead of branching.
+        new_rows = ops.where(finite, new_rows, rows)
+        new_state = {n: ops.where(finite, new_state[n], state[n]) for n in names}
+        new_rows, new_state = backend.materialize((new_rows, new_state))
+        backend.scatter(table, uniq, new_rows)
+        for n, var in state_vars.items():
+            backend.scatter(var, uniq, new_state[n])
+
+    # Only the step's distinct rows: work follows them, not the batch.
+    backend.for_distinct_rows(update, [table] + [slots[n] for n in names], uniq, summed, count)
     return finite

@@ -17,7 +17,7 @@ V, D, N_IDS = 2_000_003, 8, 16  # an odd V that no other dimension matches
 TABLE_BYTES = V * D * 4
 
 
-def make_model(optimizer, sparse=True, updater=None):
+def make_model(optimizer, sparse=True, updater=None, batch=128):
     ids = keras.Input((N_IDS,), dtype="int32")
     if sparse:
         emb = sparseopt.layers.SparseEmbedding(
@@ -26,8 +26,8 @@ def make_model(optimizer, sparse=True, updater=None):
         emb = keras.layers.Embedding(V, D, name="emb")
     model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(emb(ids))))
     model.compile(optimizer=optimizer, loss="mse")
-    x = np.random.default_rng(0).integers(0, V, (128, N_IDS)).astype("int32")
-    return model, (x, np.ones((128, 1), "float32"))
+    x = np.random.default_rng(0).integers(0, V, (batch, N_IDS)).astype("int32")
+    return model, (x, np.ones((batch, 1), "float32"))
 
 
 def vocab_sized_work(model, data):
@@ -77,6 +77,14 @@ def test_check_flags_plain_keras():
 def test_sparse_step_does_no_vocab_work(updater):
     model, data = make_model(sparseopt.DispatchOptimizer(keras.optimizers.Adam()),
                              updater=getattr(sparseopt.updaters, updater)(0.1))
+    assert_no_vocab_work(vocab_sized_work(model, data))
+
+
+def test_a_step_of_more_distinct_ids_than_one_pass_takes_is_in_place_too():
+    """10,240 distinct ids: JAX updates them 8,192 at a time in a loop that carries the
+    table, which must still be updated in place."""
+    model, data = make_model(sparseopt.DispatchOptimizer(keras.optimizers.Adam()),
+                             updater=sparseopt.updaters.RowwiseAdagrad(0.1), batch=640)
     assert_no_vocab_work(vocab_sized_work(model, data))
 
 

@@ -140,9 +140,11 @@ def test_backend_dedup_matches_numpy_unique_and_sum(stale, num_rows, xla):
     if xla:
         import tensorflow as tf
         run = tf.function(run, jit_compile=True)
-    uniq, summed = (to_np(t) for t in run(keras.ops.convert_to_tensor(ids),
-                                          keras.ops.convert_to_tensor(grads)))
+    uniq, summed, count = (to_np(t) for t in run(keras.ops.convert_to_tensor(ids),
+                                                 keras.ops.convert_to_tensor(grads)))
     keep = uniq < num_rows
+    # The distinct ids come first: gather, rule and scatter take those only.
+    assert keep[:int(count)].all() and not keep[int(count):].any()
     valid = (ids >= 0) & (ids < num_rows)
     want_ids = np.unique(ids[valid])
     np.testing.assert_array_equal(np.sort(uniq[keep]), want_ids)
@@ -178,8 +180,8 @@ def test_dedup_padding_never_wraps_to_a_real_row_near_int32_limit():
         return
     ids = np.array([5, 5, -1, 2**31 - 11, 7] * 4, dtype="int32")
     grads = np.ones((20, 2), "float32")
-    uniq, summed = (to_np(t) for t in backend.dedup(keras.ops.convert_to_tensor(ids),
-                                                     keras.ops.convert_to_tensor(grads), num_rows))
+    uniq, summed, _ = (to_np(t) for t in backend.dedup(
+        keras.ops.convert_to_tensor(ids), keras.ops.convert_to_tensor(grads), num_rows))
     assert np.all(uniq >= 0)
     real = uniq < num_rows
     assert sorted(uniq[real].astype(np.int64).tolist()) == [5, 7, 2**31 - 11]

@@ -8,8 +8,13 @@ Each backend module provides:
   whether the probe must be a weight of its layer for Keras' train step to
   differentiate it (TF), or can be layer state (JAX).
 - `dedup(ids, grads, num_rows, workspace)`: sum the gradients of equal ids;
-  ids outside `[0, num_rows)` are dropped. `WORKSPACE` says whether it needs
+  ids outside `[0, num_rows)` are dropped. Returns `(ids, grads, count)`,
+  the `count` distinct ids first. `WORKSPACE` says whether it needs
   `workspace`, a persistent int32 variable with one entry per row (JAX).
+- `for_distinct_rows(update, variables, ids, grads, count)`: runs the
+  gather-rule-scatter `update` on the `count` distinct entries only (JAX: in
+  chunks of `DISTINCT_CHUNK`); `materialize(values)`: computes `values`
+  before their consumer (keeps the rule out of XLA:CPU's scatter loop).
 - `read_rows(table, ids)`: the forward lookup, with no gradient to `table`.
 - `gather(value, ids)` / `scatter(variable, ids, rows)`: read and write
   touched rows in place.
@@ -39,12 +44,14 @@ import keras
 
 if keras.backend.backend() == "jax":
     from sparseopt.backend.jax import (  # noqa: F401
-        PROBE_IS_WEIGHT, SPARSE_GRADIENTS, WORKSPACE, dedup, fill_in_blocks, fused_apply, gather,
+        PROBE_IS_WEIGHT, SPARSE_GRADIENTS, WORKSPACE, dedup, fill_in_blocks, for_distinct_rows,
+        fused_apply, gather, materialize,
         gather_from_resource, gradient_slices, has_int64, on_row_shards, outside_trace,
         read_rows, replicas_running_alone, row_shards, scatter, tap, trace_token)
 elif keras.backend.backend() == "tensorflow":
     from sparseopt.backend.tensorflow import (  # noqa: F401
-        PROBE_IS_WEIGHT, SPARSE_GRADIENTS, WORKSPACE, dedup, fill_in_blocks, fused_apply, gather,
+        PROBE_IS_WEIGHT, SPARSE_GRADIENTS, WORKSPACE, dedup, fill_in_blocks, for_distinct_rows,
+        fused_apply, gather, materialize,
         gather_from_resource, gradient_slices, has_int64, on_row_shards, outside_trace,
         read_rows, replicas_running_alone, row_shards, scatter, tap, trace_token)
 else:

@@ -40,7 +40,7 @@ WORKSPACE = False
 
 
 def dedup(ids, grads, num_rows, workspace=None):
-    """Returns `(unique_ids, summed_grads)` of the valid ids only.
+    """Returns `(unique_ids, summed_grads, count)` of the valid ids only.
 
     The number of ids stays static until the very end, so the XLA-compiled
     sum below compiles once per batch shape whatever the mix of bad ids.
@@ -52,8 +52,17 @@ def dedup(ids, grads, num_rows, workspace=None):
     # dynamically sized output of Unique, they return the first k entries
     # instead of the selected ones (216 of 300 random batches wrong, measured
     # with TF 2.21). dynamic_partition selects correctly in both modes.
-    return (tf.dynamic_partition(uniq, valid, 2)[1],
-            tf.dynamic_partition(summed, valid, 2)[1])
+    uniq, summed = tf.dynamic_partition(uniq, valid, 2)[1], tf.dynamic_partition(summed, valid, 2)[1]
+    return uniq, summed, tf.size(uniq)
+
+
+def for_distinct_rows(update, variables, uniq, summed, count):
+    """`update(variables, uniq, summed)`: `dedup`'s result is exactly the distinct ids."""
+    update(variables, uniq, summed)
+
+
+def materialize(values):
+    return values
 
 
 @tf.function(jit_compile=True, reduce_retracing=True, autograph=False)
