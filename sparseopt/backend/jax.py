@@ -80,7 +80,7 @@ def dedup(ids, grads, num_rows, workspace):
     representative = jnp.where(valid, jnp.take(space, ids, mode="clip"), n)
     is_first = representative == position
     slot = jnp.cumsum(is_first, dtype=jnp.int32) - 1
-    count = slot[-1] + 1
+    count = jnp.sum(is_first, dtype=jnp.int32)
     size = min(n, num_rows)
     segment = jnp.where(valid, jnp.take(slot, representative, mode="clip"), size)
     summed = jax.ops.segment_sum(grads, segment, num_segments=size)  # drops `size`
