@@ -8,6 +8,6 @@ from sparseopt import callbacks, distribution, layers, ops, saving, updaters
 from sparseopt.dispatch_optimizer import DispatchOptimizer
 from sparseopt.table_trainer import TableTrainer
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["DispatchOptimizer", "TableTrainer", "callbacks", "distribution", "layers", "ops", "saving", "updaters"]

@@ -194,8 +194,8 @@ def test_sparse_embedding_lists_and_saves_what_embedding_does(tmp_path):
         assert_same_weights(new, old)
 
 
-@pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
-@pytest.mark.parametrize("compiled", [False, True], ids=["uncompiled", "compiled"])
+@pytest.mark.parametrize("suffix,compiled", [(".weights.h5", False), (".keras", True)],
+                         ids=["weights.h5-uncompiled", "keras-compiled"])
 def test_an_embedding_model_checkpoint_migrates_to_sparse_embedding(tmp_path, suffix, compiled):
     old = trained_keras_model()
     path = str(tmp_path / f"old{suffix}")
