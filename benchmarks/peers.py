@@ -113,18 +113,29 @@ def keras_state_bytes(model, rows):
             "workspace": workspace, "other": other}
 
 
-def jax_step(model, xs, ys):
+def jax_step(model, xs, ys, state=None):
+    """`(run, sync)`: the jitted, state-donating train step over `xs`, `ys` in turn.
+
+    Args:
+        model: the compiled Keras model.
+        xs, ys: the pre-made batches (arrays or dicts of arrays).
+        state: a one-entry list holding the model's JAX state, to share it
+            between steps of several batch shapes of one model (filled here
+            if empty).
+    """
     import jax
 
     from sparseopt import compat
 
-    state = [compat.jax_train_state(model, (xs[0], ys[0]))]
+    state = [] if state is None else state
+    if not state:
+        state.append(compat.jax_train_state(model, (xs[0], ys[0])))
     step = jax.jit(model.train_step, donate_argnums=0)
     data = [(jax.device_put(x), jax.device_put(y)) for x, y in zip(xs, ys)]
     counter = [0]
 
     def run():
-        _, state[0] = step(state[0], data[counter[0] % N_BATCHES])
+        _, state[0] = step(state[0], data[counter[0] % len(data)])
         counter[0] += 1
 
     def sync():
@@ -136,14 +147,15 @@ def jax_step(model, xs, ys):
 def tf_step(model, xs, ys):
     import tensorflow as tf
 
-    model.train_on_batch(xs[0], ys[0])  # builds the optimizer
+    if not model.optimizer.built:
+        model.train_on_batch(xs[0], ys[0])  # builds the optimizer
     step = tf.function(model.train_step)
-    data = [(tf.constant(x), tf.constant(y)) for x, y in zip(xs, ys)]
+    data = [tf.nest.map_structure(tf.constant, (x, y)) for x, y in zip(xs, ys)]
     counter = [0]
     last = [None]
 
     def run():
-        last[0] = step(data[counter[0] % N_BATCHES])
+        last[0] = step(data[counter[0] % len(data)])
         counter[0] += 1
 
     def sync():
