@@ -53,12 +53,15 @@ test-tensorflow: $(STAMP)
 	$(JAX_CACHE) KERAS_BACKEND=tensorflow $(BIN)/python -m pytest --basetemp=.pytest_tmp/tensorflow \
 		$(PYTEST_ARGS)
 
-# The benchmark suite (docs/benchmarks.md): full run ~45 min, quick < 3 min.
+# The benchmark suite (docs/benchmarks.md): full run ~45 min + the production-shaped
+# grid (dlrm_step.py) ~40 min; quick ~5 min.
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
+	$(BIN)/python benchmarks/dlrm_step.py
 
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/run.py --quick
+	$(BIN)/python benchmarks/dlrm_step.py --quick
 
 # Optional peers for the suite's TorchRec/FBGEMM rows (CPU builds, ~1 GB).
 bench-peers: $(STAMP)

@@ -6,10 +6,10 @@ import weakref
 import keras
 import numpy as np
 
-from sparseopt import backend, checks, compat
+from sparseopt import backend, checks, compat, row_grads
 from sparseopt.discovery import declared_tables
 from sparseopt.keras_rs_tables import read_by_gather, read_sparsely
-from sparseopt.table_trainer import LookupRows, SlicedRows, TableTrainer
+from sparseopt.table_trainer import LookupRows, SlicedRows, TableTrainer, group_trainers
 from sparseopt.updaters import Updater
 
 
@@ -29,6 +29,11 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
     non-finite gradients leaves them untouched. Clipping, weight decay and EMA
     of the Keras optimizer act on dense variables only.
 
+    Tables with the same width, dtype and updater configuration are updated
+    together (`sparseopt.table_trainer.TableGroup`: one dedup pass for all of
+    them), with exactly the results, state and checkpoints of updating each
+    alone.
+
     Under a `keras.distribution` (JAX), each table's state is split like the
     table, and a table split by rows is updated on each shard, in place (see
     `sparseopt.distribution`). TensorFlow distribution strategies are refused.
@@ -39,10 +44,14 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             matched with `re.fullmatch`, as in `keras.optimizers.OptimizerMap`)
             to a Keras optimizer or a `sparseopt.updaters.Updater`. It overrides
             what layers declare.
+        group_tables: update tables that share width, dtype and updater
+            configuration together (default). `False` updates each table on
+            its own (same results; more work per step with many tables).
         name: optional name.
     """
 
-    def __init__(self, optimizer, optimizer_map=None, name=None, **kwargs):
+    def __init__(self, optimizer, optimizer_map=None, group_tables=True, name=None,
+                 **kwargs):
         optimizer = keras.optimizers.get(optimizer)
         if isinstance(optimizer, (DispatchOptimizer, keras.optimizers.LossScaleOptimizer)):
             raise ValueError(
@@ -53,6 +62,7 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         loss_scale_factor = kwargs.pop("loss_scale_factor", optimizer.loss_scale_factor)
         super().__init__(learning_rate=0.0, name=name, **kwargs)
         self._default_optimizer = optimizer
+        self.group_tables = bool(group_tables)
         self._optimizer_map = {}
         for key, value in (optimizer_map or {}).items():
             if isinstance(value, dict):
@@ -193,9 +203,16 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                                    self._dense_optimizers)
         for opt in self._dense_optimizers:
             opt.build(dense[id(opt)])
+        groups, _ = group_trainers(self._trainers.values()) if self.group_tables else ([], [])
+        grouped = {id(t) for g in groups for t in g.trainers}
+        self._groups = groups
         with keras.name_scope(self.name, caller=self):
+            # Table by table in the order found, grouped or not: the saved
+            # state keeps its order whatever the grouping.
             for trainer in self._trainers.values():
-                trainer.build(self)
+                trainer.build(self, workspace=id(trainer) not in grouped)
+            for i, group in enumerate(groups):
+                group.build(self, f"table_group_{i}")
         # Each new probe sits right after its table, where the layer's
         # variables (its one weight, then its state) put it in the model's
         # trainable_variables: stateless
@@ -260,13 +277,18 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
 
     def state_variables(self):
         """Every variable a checkpoint holds: the Keras optimizers' and the tables' state."""
-        scratch = {id(v) for t in getattr(self, "_trainers", {}).values()
-                   for v in t.scratch_variables}
+        scratch = {id(v) for v in self.scratch_variables()}
         return [v for v in self.variables if id(v) not in scratch]
 
     def scratch_variables(self):
-        """Working memory that is not state (JAX's dedup workspace): never saved."""
-        return [v for t in getattr(self, "_trainers", {}).values() for v in t.scratch_variables]
+        """Working memory that is not state (JAX's dedup workspaces): never saved."""
+        owners = [*getattr(self, "_trainers", {}).values(), *getattr(self, "_groups", [])]
+        return [v for owner in owners for v in owner.scratch_variables]
+
+    @property
+    def table_groups(self):
+        """`[[table path, ...], ...]`: the tables updated together, one list per group."""
+        return [[t.name for t in g.trainers] for g in getattr(self, "_groups", [])]
 
     def dropped_ids(self):
         """`{table path: ids seen outside [0, rows) so far}` (never written anywhere)."""
@@ -311,13 +333,23 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             if gs:
                 opt.apply(gs, vs)
         with keras.name_scope(self.name, caller=self):
+            rows = {}  # id(trainer) -> (ids, true row gradients) of this step
             for trainer in self._trainers.values():
-                rows = trainer.source.row_gradients(watched, trainer.name)
-                if rows is not None:
-                    ids, row_grads = rows
+                found = trainer.source.row_gradients(watched, trainer.name)
+                if found is not None:
+                    ids, grads = found
                     if self.loss_scale_factor is not None:
-                        row_grads = row_grads / self.loss_scale_factor
-                    trainer.apply(ids, row_grads, self._iterations)
+                        grads = row_grads.scale(grads, 1.0 / self.loss_scale_factor)
+                    rows[id(trainer)] = (ids, grads)
+            grouped = set()
+            for group in self._groups:
+                looked_up = [(t, *rows[id(t)]) for t in group.trainers if id(t) in rows]
+                if looked_up:
+                    group.apply(looked_up, self._iterations)
+                grouped.update(id(t) for t in group.trainers)
+            for trainer in self._trainers.values():
+                if id(trainer) in rows and id(trainer) not in grouped:
+                    trainer.apply(*rows[id(trainer)], self._iterations)
         self._iterations.assign_add(1)
 
     # -- saving: everything but the dedup workspace ---------------------------
@@ -385,6 +417,7 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
     def get_config(self):
         return {
             "name": self.name,
+            "group_tables": self.group_tables,
             "optimizer": keras.saving.serialize_keras_object(self._default_optimizer),
             "optimizer_map": {
                 k: keras.saving.serialize_keras_object(v)

@@ -10,7 +10,7 @@ run on each shard, on the ids that shard owns.
 
 from keras import ops
 
-from sparseopt import backend
+from sparseopt import backend, row_grads
 
 
 def sparse_apply(updater, table, slots, ids, grads, learning_rate, step, workspace=None):
@@ -22,8 +22,9 @@ def sparse_apply(updater, table, slots, ids, grads, learning_rate, step, workspa
         slots: dict slot name -> Keras variable (`[V, D]` or `[V]`).
         ids: int `[N]` ids, duplicates allowed; ids outside `[0, V)` are
             ignored.
-        grads: `[N, D]` true (unscaled) gradient of each occurrence. If any
-            entry is not finite, the table and its state are left unchanged.
+        grads: `[N, D]` true (unscaled) gradient of each occurrence, or the
+            same as `row_grads.BagGrads`. If any entry is not finite, the
+            table and its state are left unchanged.
         learning_rate: scalar tensor.
         step: scalar int tensor, the 1-based update count.
         workspace: where `backend.WORKSPACE` is true, an int32 variable with
@@ -40,13 +41,75 @@ def sparse_apply(updater, table, slots, ids, grads, learning_rate, step, workspa
 
 
 def _apply(updater, table, slots, ids, grads, learning_rate, step, workspace):
-    num_rows = table.shape[0]
-    grads = ops.cast(grads, "float32")
-    uniq, summed, count = backend.dedup(ids, grads, num_rows, workspace)
+    grads = row_grads.as_float32(grads)
+    uniq, summed, count = backend.dedup(ids, grads, table.shape[0], workspace)
     # A non-finite gradient skips the whole table for this step.
-    finite = ops.all(ops.isfinite(grads))
+    finite = row_grads.all_finite(grads)
+    _update_distinct(updater, table, slots, uniq, summed, count, finite, learning_rate, step)
+    return finite
+
+
+def sparse_apply_group(updater, members, learning_rate, step, workspace=None):
+    """Updates several tables that share one updater configuration, in one dedup.
+
+    The ids of every table are shifted into one id space (table `t`'s rows
+    follow table `t-1`'s) and deduplicated together; `dedup` keeps the
+    distinct ids in order of first occurrence, so each table's distinct ids
+    come out as one contiguous run, which `backend.split_by_table` hands to
+    that table's gather, rule and scatter. Each table keeps its own
+    finiteness check: a non-finite gradient skips its own table only.
+
+    Args:
+        updater: the `Updater` every member uses.
+        members: list of `(table, slots, ids, grads)`, as for `sparse_apply`.
+            Tables must not be split over devices.
+        learning_rate: scalar tensor.
+        step: scalar int tensor, the 1-based update count.
+        workspace: where `backend.WORKSPACE` is true, an int32 variable with
+            at least as many entries as the members have rows together.
+
+    Returns:
+        A list of boolean scalar tensors: whether each member's update was applied.
+    """
+    offsets, total = [], 0
+    for table, _, _, _ in members:
+        offsets.append(total)
+        total += table.shape[0]
+    if total > MAX_GROUP_ROWS:
+        raise ValueError(
+            f"sparse_apply_group: the tables {[m[0].path for m in members]} have {total:,} "
+            f"rows together, more than a group's {MAX_GROUP_ROWS:,}; update them in "
+            "smaller groups.")
+    shifted, all_grads, finite = [], [], []
+    for (table, _, ids, grads), offset in zip(members, offsets):
+        grads = row_grads.as_float32(grads)
+        # Validity is judged on the ids as given, before they are narrowed.
+        valid = ops.logical_and(ops.greater_equal(ids, 0), ops.less(ids, table.shape[0]))
+        local = ops.cast(ops.where(valid, ids, 0), "int32")
+        shifted.append(ops.where(valid, local + offset, total))  # invalid: in no table
+        all_grads.append(grads)
+        finite.append(row_grads.all_finite(grads))
+    uniq, summed, count = backend.dedup(ops.concatenate(shifted, axis=0),
+                                        row_grads.concatenate(all_grads), total, workspace)
+    # Each table's distinct ids, in its own rows, as its own dedup result.
+    sizes = [table.shape[0] if ids.shape[0] is None else min(ids.shape[0], table.shape[0])
+             for table, _, ids, _ in members]  # static bounds (JAX slices by them)
+    parts = backend.split_by_table(uniq, summed, offsets + [total], sizes)
+    for (table, slots, _, _), part, ok in zip(members, parts, finite):
+        _update_distinct(updater, table, slots, *part, ok, learning_rate, step)
+    return finite
+
+
+# A group's shifted ids are int32 (JAX without x64 has no int64): its tables
+# have at most this many rows together, which leaves room for `dedup`'s
+# padding ids above them.
+MAX_GROUP_ROWS = 2**30
+
+
+def _update_distinct(updater, table, slots, uniq, summed, count, finite, learning_rate, step):
+    """Gather, rule and scatter on `dedup`'s distinct ids (skipped where not `finite`)."""
     if backend.fused_apply(updater, table, slots, uniq, summed, learning_rate, finite):
-        return finite
+        return
     names = sorted(slots)
 
     def update(variables, uniq, summed):
@@ -66,4 +129,3 @@ def _apply(updater, table, slots, ids, grads, learning_rate, step, workspace):
 
     # Only the step's distinct rows: work follows them, not the batch.
     backend.for_distinct_rows(update, [table] + [slots[n] for n in names], uniq, summed, count)
-    return finite

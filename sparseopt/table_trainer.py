@@ -1,19 +1,21 @@
-"""`TableTrainer`: everything that trains one table in place.
+"""`TableTrainer`: everything that trains one table in place; `TableGroup`: several at once.
 
 `DispatchOptimizer` keeps one `TableTrainer` per sparsely trained table and
 only routes to it. A trainer owns the table's updater, its state slots, its
 counters and the source of its row gradients, and answers `build`, `apply`
-and `state`. It is written so that a group of tables sharing width, dtype and
-updater configuration can become one trainer (one dedup, gather, rule and
-scatter for all of them) without changing the router.
+and `state`. Tables whose trainers share width, dtype and updater
+configuration are updated together by a `TableGroup` (one dedup for all of
+them), each keeping its own state, counters and checkpoint entries.
 """
+
+import json
 
 import keras
 from keras import ops
 
-from sparseopt import backend
+from sparseopt import backend, compat, row_grads, updaters
 from sparseopt.distribution import layout_like
-from sparseopt.sparse_apply import sparse_apply
+from sparseopt.sparse_apply import MAX_GROUP_ROWS, sparse_apply, sparse_apply_group
 
 
 class _Filled(keras.initializers.Initializer):
@@ -56,8 +58,14 @@ class TableTrainer:
         """The table's path."""
         return self.table.path
 
-    def build(self, optimizer):
-        """Creates the state with `optimizer.add_variable`, named after the table."""
+    def build(self, optimizer, workspace=True):
+        """Creates the state with `optimizer.add_variable`, named after the table.
+
+        Args:
+            optimizer: the optimizer that owns the variables.
+            workspace: whether to create the table's own dedup workspace
+                (JAX); a table updated by a `TableGroup` uses the group's.
+        """
         table, prefix = self.table, self.table.path.replace("/", "_")
         for spec in self.updater.slots:
             shape = spec.shape(table.shape)
@@ -67,7 +75,7 @@ class TableTrainer:
                 layout=layout_like(table, len(shape)), name=f"{prefix}_{spec.name}")
         self.skipped = optimizer.add_variable(
             shape=(), dtype="int32", initializer="zeros", name=f"{prefix}_skipped_steps")
-        if backend.WORKSPACE:
+        if backend.WORKSPACE and workspace:
             # One per table, so that the tables' updates stay independent.
             self.workspace = optimizer.add_variable(
                 shape=(table.shape[0],), dtype="int32", initializer="zeros",
@@ -109,6 +117,111 @@ class TableTrainer:
     def dropped_ids(self):
         return self.source.dropped_ids()
 
+    def group_key(self):
+        """What tables updated together must share, or None if this one stays alone.
+
+        Width, dtype and updater configuration. A shipped updater's
+        configuration is its `get_config()` (its name aside); a user's
+        updater class is grouped only with tables that share the very same
+        updater object, since its config may not hold everything its rule
+        reads. A table placed by a `keras.distribution` stays alone: its
+        update is laid out by its own sharding.
+        """
+        if compat.layout_of(self.table) is not None:
+            return None
+        updater = self.updater
+        cls = type(updater)
+        if updaters.registry(shipped_only=True).get(cls.__name__) is cls:
+            config = {k: v for k, v in updater.get_config().items() if k != "name"}
+            rule = (cls.__name__, json.dumps(config, sort_keys=True, default=repr))
+        else:
+            rule = ("object", id(updater))
+        return (self.table.shape[1], keras.backend.standardize_dtype(self.table.dtype), rule)
+
+
+class TableGroup:
+    """Trains several tables with one dedup pass, each table in place.
+
+    The tables share width, dtype and updater configuration
+    (`TableTrainer.group_key`). Each step their ids are shifted into one id
+    space and deduplicated together (one pass, one workspace), then each
+    table's distinct rows are gathered, updated and scattered back in
+    place (`sparse_apply_group`). Results are those of updating each table
+    alone; each member keeps its own state, skip count and checkpoint
+    entries, so grouping never changes what is saved.
+
+    Args:
+        trainers: the member `TableTrainer`s (two or more).
+    """
+
+    def __init__(self, trainers):
+        self.trainers = list(trainers)
+        self.updater = self.trainers[0].updater
+        self.workspace = None
+
+    @property
+    def num_rows(self):
+        return sum(t.table.shape[0] for t in self.trainers)
+
+    def build(self, optimizer, name):
+        """Creates the group's int32 dedup workspace, one entry per row of its tables (JAX).
+
+        The members' own state is built by each `TableTrainer` (with
+        `workspace=False`), in the order the tables were found, so that
+        checkpoints hold the same entries in the same order as without groups.
+        """
+        if backend.WORKSPACE:
+            self.workspace = optimizer.add_variable(
+                shape=(self.num_rows,), dtype="int32", initializer="zeros",
+                name=f"{name}_dedup_workspace")
+
+    @property
+    def scratch_variables(self):
+        return [self.workspace] if self.workspace is not None else []
+
+    def apply(self, rows, iteration):
+        """Applies the shared updater to each member looked up in this step.
+
+        Args:
+            rows: list of `(trainer, ids, grads)`, as for `TableTrainer.apply`.
+            iteration: the optimizer's 0-based step count.
+        """
+        members = [(t.table, t.slots, ids, grads) for t, ids, grads in rows]
+        applied = sparse_apply_group(
+            self.updater, members, self.updater.learning_rate_at(iteration), iteration + 1,
+            workspace=self.workspace)
+        for (trainer, _, _), ok in zip(rows, applied):
+            trainer.skipped.assign_add(1 - ops.cast(ok, "int32"))
+
+
+def group_trainers(trainers):
+    """Splits `trainers` into `TableGroup`s of two or more and trainers left alone.
+
+    Groups keep the trainers' order and stay within `MAX_GROUP_ROWS` rows.
+
+    Returns:
+        `(groups, alone)`.
+    """
+    by_key = {}
+    for trainer in trainers:
+        key = trainer.group_key()
+        by_key.setdefault(key if key is not None else ("alone", id(trainer)), []).append(trainer)
+    groups, alone = [], []
+    for same in by_key.values():
+        chunks, rows = [[]], 0
+        for trainer in same:
+            if chunks[-1] and rows + trainer.table.shape[0] > MAX_GROUP_ROWS:
+                chunks.append([])
+                rows = 0
+            chunks[-1].append(trainer)
+            rows += trainer.table.shape[0]
+        for chunk in chunks:
+            if len(chunk) > 1:
+                groups.append(TableGroup(chunk))
+            else:
+                alone += chunk
+    return groups, alone
+
 
 class LookupRows:
     """Row gradients recorded by a `sparseopt.ops.SparseLookup` (JAX, and TF layers).
@@ -148,7 +261,7 @@ class LookupRows:
         # LossScaleOptimizer unscales it) scaled the row gradients the other
         # way round. (The wrapper's own scale cannot be read here: on JAX its
         # variables are outside this optimizer's stateless scope.)
-        return ids, rows * (ops.cast(marker, "float32") / float(calls))
+        return ids, row_grads.scale(rows, ops.cast(marker, "float32") / float(calls))
 
     def dropped_ids(self):
         return int(ops.convert_to_numpy(self.lookup.num_dropped_ids.value))

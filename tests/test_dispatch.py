@@ -6,6 +6,7 @@ import pytest
 from keras import ops
 
 import sparseopt
+from tests import reference
 from tests.conftest import to_np
 from tests.helpers import (OneHotEmbedding, batches, dot_loss, numpy_replay, optimizer_state,
                            registered_cases, table_model)
@@ -251,6 +252,57 @@ def test_combiners_reduce_the_bag_and_train_correctly(combiner):
     per_id = np.repeat((y / 2 / counts)[:, None, :], 4, axis=1)  # dL/drow per occurrence
     want, _ = numpy_replay("SGD", {}, table0, x[None], (per_id * 2)[None], lambda t: 1.0)
     np.testing.assert_allclose(to_np(emb.embeddings), want, rtol=1e-5, atol=1e-6)
+
+
+class BagsAndIds(keras.layers.Layer):
+    """Reads one table pooled (twice) and id by id in one call: three records per step."""
+
+    def build(self, input_shape):
+        self.table = self.add_weight(shape=(VOCAB, WIDTH), name="table")
+        self.lookup = sparseopt.ops.SparseLookup(self, self.table)
+
+    def call(self, ids):
+        return ops.concatenate([self.lookup.pooled(ids[:, :3], "mean")[:, None],
+                                self.lookup.pooled(ids[:, 3:], "sum")[:, None],
+                                self.lookup(ids)], axis=1)
+
+    @property
+    def variable_path_to_optimizer_map(self):
+        return {self.table.path: sparseopt.updaters.Adagrad(0.3)}
+
+
+def test_pooled_and_plain_reads_of_one_table_in_one_step_match_the_reference():
+    # Pooled reads hand the optimizer one gradient per bag; with a plain read
+    # of the same table in the same step, all of them are summed per row.
+    layer = BagsAndIds(name="bags")
+    ids = keras.Input((N_IDS,), dtype="int32")
+    model = keras.Model(ids, layer(ids))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()), loss=dot_loss)
+    table = to_np(layer.table)
+    rng = np.random.default_rng(12)
+    state = np.full(table.shape, 0.1)
+    for step in range(3):
+        x = rng.integers(0, 12, size=(BATCH, N_IDS)).astype("int32")
+        x[0, :3] = [-1, VOCAB, -5]  # a mean over an empty bag: zeros, no update
+        x[1, 3:] = [4, -1, 4]
+        y = rng.normal(size=(BATCH, 2 + N_IDS, WIDTH)).astype("float32")
+        valid = (x >= 0) & (x < VOCAB)
+        counts = np.maximum(valid[:, :3].sum(1, keepdims=True), 1)
+        want_out = np.concatenate([
+            (np.where(valid[:, :3, None], table[np.where(valid, x, 0)[:, :3]], 0).sum(1)
+             / counts)[:, None],
+            np.where(valid[:, 3:, None], table[np.where(valid, x, 0)[:, 3:]], 0).sum(1)[:, None],
+            np.where(valid[..., None], table[np.where(valid, x, 0)], 0)], axis=1)
+        np.testing.assert_allclose(to_np(model(x)), want_out, rtol=1e-5, atol=1e-6)
+        model.train_on_batch(x, y)
+        g = y.astype(np.float64) / BATCH  # dot_loss: dL/d(output)
+        per_id = np.concatenate([np.repeat(g[:, :1] / counts[:, :, None], 3, axis=1),
+                                 np.repeat(g[:, 1:2], N_IDS - 3, axis=1), g[:, 2:]], axis=1)
+        all_ids = np.concatenate([x, x], axis=1)
+        table, st = reference.sparse_step("Adagrad", table, {"accumulator": state}, all_ids,
+                                          per_id, 0.3, {})
+        state = st["accumulator"]
+        np.testing.assert_allclose(to_np(layer.table), table, rtol=2e-5, atol=2e-6)
 
 
 class UserTable(keras.layers.Layer):

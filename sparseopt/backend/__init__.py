@@ -15,7 +15,12 @@ Each backend module provides:
   gather-rule-scatter `update` on the `count` distinct entries only (JAX: in
   chunks of `DISTINCT_CHUNK`); `materialize(values)`: computes `values`
   before their consumer (keeps the rule out of XLA:CPU's scatter loop).
-- `read_rows(table, ids)`: the forward lookup, with no gradient to `table`.
+- `split_by_table(ids, grads, offsets, sizes)`: a group's `dedup` result (ids
+  shifted by table `offsets`) cut into each table's own `dedup` result, in
+  its rows (`sizes`: static bounds on each table's distinct ids).
+- `read_rows(table, ids)`: the forward lookup, with no gradient to `table`;
+  `read_pooled(table, ids, weight, dtype)`: the weighted sum of each bag's
+  rows (the last id axis), in `dtype`.
 - `gather(value, ids)` / `scatter(variable, ids, rows)`: read and write
   touched rows in place.
 - `fill_in_blocks(make_block, shape, dtype, block_rows)`: a large array
@@ -45,15 +50,15 @@ import keras
 if keras.backend.backend() == "jax":
     from sparseopt.backend.jax import (  # noqa: F401
         PROBE_IS_WEIGHT, SPARSE_GRADIENTS, WORKSPACE, dedup, fill_in_blocks, for_distinct_rows,
-        fused_apply, gather, materialize,
+        fused_apply, gather, materialize, split_by_table,
         gather_from_resource, gradient_slices, has_int64, on_row_shards, outside_trace,
-        read_rows, replicas_running_alone, row_shards, scatter, tap, trace_token)
+        read_pooled, read_rows, replicas_running_alone, row_shards, scatter, tap, trace_token)
 elif keras.backend.backend() == "tensorflow":
     from sparseopt.backend.tensorflow import (  # noqa: F401
         PROBE_IS_WEIGHT, SPARSE_GRADIENTS, WORKSPACE, dedup, fill_in_blocks, for_distinct_rows,
-        fused_apply, gather, materialize,
+        fused_apply, gather, materialize, split_by_table,
         gather_from_resource, gradient_slices, has_int64, on_row_shards, outside_trace,
-        read_rows, replicas_running_alone, row_shards, scatter, tap, trace_token)
+        read_pooled, read_rows, replicas_running_alone, row_shards, scatter, tap, trace_token)
 else:
     raise ImportError(
         f"sparseopt supports the 'jax' and 'tensorflow' Keras backends; the "

@@ -7,15 +7,15 @@ of the lookup's `tf.IndexedSlices`.
 """
 
 import tensorflow as tf
-from sparseopt import compat
+from sparseopt import compat, row_grads
 from sparseopt.backend import tensorflow_kernels
 
 
-def tap(rows, probe, ids, on_backward):
+def tap(rows, probe, ids, on_backward, aux=None):
     @tf.custom_gradient
     def _tap(rows, probe):
         def grad(g):
-            on_backward(ids, g)
+            on_backward(ids, g, aux)
             finite = tf.reduce_all(tf.math.is_finite(g))
             marker = tf.where(finite, tf.constant(1.0, probe.dtype), tf.constant(float("nan"), probe.dtype))
             return None, marker
@@ -46,7 +46,11 @@ def dedup(ids, grads, num_rows, workspace=None):
     sum below compiles once per batch shape whatever the mix of bad ids.
     """
     uniq, inverse = tf.unique(tf.cast(ids, tf.int64))
-    summed = _segment_sum(grads, inverse)[: tf.size(uniq)]
+    if isinstance(grads, row_grads.BagGrads):  # expanded inside the compiled sum
+        summed = _bag_segment_sum(grads.values, grads.bag, grads.weight, inverse)
+    else:
+        summed = _segment_sum(grads, inverse)
+    summed = summed[: tf.size(uniq)]
     valid = tf.cast((uniq >= 0) & (uniq < num_rows), tf.int32)
     # Not boolean_mask (nor where + gather): inside an XLA cluster, on the
     # dynamically sized output of Unique, they return the first k entries
@@ -61,6 +65,20 @@ def for_distinct_rows(update, variables, uniq, summed, count):
     update(variables, uniq, summed)
 
 
+def split_by_table(uniq, summed, offsets, sizes):
+    """Each table's part of a group's `dedup`: `[(ids, grads, count), ...]`.
+
+    One `dynamic_partition` by table (which, unlike slicing at computed
+    bounds, also compiles inside an XLA cluster).
+    """
+    starts = tf.constant(offsets[:-1], uniq.dtype)
+    table = tf.searchsorted(starts[1:], uniq, side="right")
+    local = uniq - tf.gather(starts, table)
+    ids = tf.dynamic_partition(local, table, len(sizes))
+    grads = tf.dynamic_partition(summed, table, len(sizes))
+    return [(i, g, tf.size(i)) for i, g in zip(ids, grads)]
+
+
 def materialize(values):
     return values
 
@@ -71,6 +89,12 @@ def _segment_sum(grads, segments):
     # (measured) against 0.4 ms once XLA compiles it. The segment count is the
     # static upper bound `len(grads)`; the caller slices off the unused tail.
     return tf.math.unsorted_segment_sum(grads, segments, tf.shape(grads)[0])
+
+
+@tf.function(jit_compile=True, reduce_retracing=True, autograph=False)
+def _bag_segment_sum(values, bag, weight, segments):
+    rows = tf.gather(values, bag) * weight[:, None]
+    return tf.math.unsorted_segment_sum(rows, segments, tf.shape(bag)[0])
 
 
 # The gradient of a gather is `tf.IndexedSlices`: ids and row gradients.
@@ -118,6 +142,12 @@ def read_rows(table, ids):
     the table first.
     """
     return tf.stop_gradient(tf.gather(table.value, ids))
+
+
+def read_pooled(table, ids, weight, dtype):
+    """`sum_l weight[..., l] * table[ids[..., l]]`, in `dtype` (no gradient to `table`)."""
+    rows = tf.cast(read_rows(table, ids), dtype)
+    return tf.reduce_sum(rows * tf.expand_dims(weight, -1), axis=-2)
 
 
 def gather_from_resource(variable, ids):

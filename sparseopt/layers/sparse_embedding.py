@@ -1,7 +1,6 @@
 """`SparseEmbedding`: an embedding table trained by its own sparse updater."""
 
 import keras
-from keras import ops
 
 from sparseopt import compat
 from sparseopt import updaters as updaters_lib
@@ -109,14 +108,10 @@ class SparseEmbedding(keras.layers.Layer):
         return self._lookup.num_dropped_ids
 
     def call(self, ids):
-        rows = self._lookup(ids)
         if self.combiner is None:
-            return rows
-        summed = ops.sum(rows, axis=-2)
-        if self.combiner == "sum":
-            return summed
-        count = ops.sum(ops.cast(self._lookup.valid(ids), summed.dtype), axis=-1, keepdims=True)
-        return summed / ops.maximum(count, 1.0)
+            return self._lookup(ids)
+        # One gradient per bag reaches the updater (see SparseLookup.pooled).
+        return self._lookup.pooled(ids, self.combiner)
 
     def compute_output_shape(self, input_shape):
         if self.combiner is None:

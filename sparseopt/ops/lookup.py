@@ -6,7 +6,7 @@ import weakref
 import keras
 from keras import ops
 
-from sparseopt import backend, compat
+from sparseopt import backend, compat, row_grads
 
 
 class SparseLookup:
@@ -97,7 +97,9 @@ class SparseLookup:
 
         Returns:
             `(calls, ids, grads)`: how many calls' backward passes ran, and
-            their `[N]` ids and `[N, width]` row gradients (`None` if none).
+            their `[N]` ids and row gradients (`None` if none): a `[N, width]`
+            array, or `sparseopt.row_grads.BagGrads` where every call was
+            pooled.
 
         Raises:
             ValueError: no row gradients reached this point, but some were
@@ -118,7 +120,7 @@ class SparseLookup:
         if not records:
             return 0, None, None
         ids = ops.concatenate([r[1] for r in records], axis=0)
-        grads = ops.concatenate([ops.cast(r[2], "float32") for r in records], axis=0)
+        grads = row_grads.concatenate([row_grads.as_float32(r[2]) for r in records])
         return len(records), ids, grads
 
     def _forget_other_traces(self, ids):
@@ -138,23 +140,72 @@ class SparseLookup:
 
     def __call__(self, ids):
         """Returns `table[ids]`, shape `ids.shape + (width,)`; invalid ids give 0."""
+        valid, safe_ids, update_ids = self._prepare(ids)
+        rows = ops.where(ops.expand_dims(valid, -1), self._read(safe_ids), 0.0)
+        return backend.tap(rows, self.probe.value, update_ids, self._on_backward)
+
+    def pooled(self, ids, combiner="sum"):
+        """The rows of each bag of ids (the last axis), summed or averaged.
+
+        Same as reducing `self(ids)` over its id axis, but the backward pass
+        records one gradient per bag (`row_grads.BagGrads`) instead of one
+        per id, and the dedup reads it from there: the `[ids, width]`
+        gradient is never built. (A table placed by a `keras.distribution`
+        is read id by id, as `self(ids)`, then reduced.)
+
+        Args:
+            ids: int ids `[..., bag]`; invalid ids read zero and count 0 in a mean.
+            combiner: `"sum"` or `"mean"` (over the valid ids of a bag; an
+                empty bag gives zeros).
+
+        Returns:
+            `[..., width]` in the layer's compute dtype.
+        """
+        if compat.layout_of(self.table) is not None:
+            # Placed by a keras.distribution: read id by id, so that what
+            # crosses devices stays what the sharded update path expects.
+            rows = self(ids)
+            weight = ops.cast(self.valid(ids), rows.dtype)
+            if combiner == "mean":
+                weight = weight / ops.maximum(ops.sum(weight, axis=-1, keepdims=True), 1.0)
+            return ops.sum(rows * ops.expand_dims(weight, -1), axis=-2)
+        valid, safe_ids, update_ids = self._prepare(ids)
+        weight = ops.cast(valid, self.compute_dtype)
+        if combiner == "mean":
+            weight = weight / ops.maximum(ops.sum(weight, axis=-1, keepdims=True), 1.0)
+        with compat.read_as_stored():
+            pooled = backend.read_pooled(self.table, safe_ids, weight, self.compute_dtype)
+        return backend.tap(pooled, self.probe.value, update_ids, self._on_backward_pooled,
+                           aux=ops.reshape(weight, (-1,)))
+
+    def _prepare(self, ids):
+        """Checks `ids`, counts the dropped ones; `(valid, ids to read, ids to update)`."""
         check_ids_dtype(ids, self.layer_name, self.table.path)
         self._forget_other_traces(ids)
-        num_rows = self.table.shape[0]
         valid = self.valid(ids)
         self.num_dropped_ids.assign_add(ops.sum(ops.cast(ops.logical_not(valid), "int32")))
         safe_ids = ops.where(valid, ids, 0)
+        update_ids = ops.reshape(ops.where(valid, ids, self.table.shape[0]), (-1,))
+        return valid, safe_ids, update_ids
+
+    def _read(self, safe_ids):
         with compat.read_as_stored():
             rows = backend.read_rows(self.table, safe_ids)
-        rows = ops.cast(rows, self.compute_dtype)
-        rows = ops.where(ops.expand_dims(valid, -1), rows, ops.zeros_like(rows))
-        update_ids = ops.reshape(ops.where(valid, ids, num_rows), (-1,))
-        return backend.tap(rows, self.probe.value, update_ids, self._on_backward)
+        return ops.cast(rows, self.compute_dtype)
 
-    def _on_backward(self, ids, grads):
+    def _on_backward(self, ids, grads, aux=None):
         width = self.table.shape[1]
         self._records.append((backend.trace_token(grads), ops.reshape(ids, (-1,)),
                               ops.reshape(grads, (-1, width))))
+
+    def _on_backward_pooled(self, ids, grads, weight):
+        values = ops.reshape(grads, (-1, self.table.shape[1]))
+        # Ids are flattened bag by bag: id i is in bag i // (ids per bag).
+        n, bags = ops.shape(ids)[0], ops.shape(values)[0]
+        per_bag = ops.maximum(ops.floor_divide(n, ops.maximum(bags, 1)), 1)
+        bag = ops.floor_divide(ops.arange(n, dtype="int32"), ops.cast(per_bag, "int32"))
+        self._records.append((backend.trace_token(grads), ids,
+                              row_grads.BagGrads(values, bag, weight)))
 
 
 def check_ids_dtype(ids, layer_name, table_path):
