@@ -20,6 +20,7 @@ trained by row-wise Adagrad or Adagrad (learning rate 0.05), batches 1,024 to
 
     framework   peer        tables trained by
     jax, tf     sparseopt   SparseEmbedding + DispatchOptimizer(Adam)
+                            (`<framework>-sparseopt-grouped`: the same with group_tables=True)
     torch       fbgemm      one SplitTableBatchedEmbeddingBagsCodegen holding every table
                             (EXACT_ROWWISE_ADAGRAD / EXACT_ADAGRAD, fused CPU backward)
     jax         keras       keras.layers.Embedding + Adagrad (dense gradient), where it
@@ -170,13 +171,16 @@ def build_keras(peer, tables, width, rule):
     import keras
 
     keras.utils.set_random_seed(0)
-    sparse = peer.endswith("sparseopt")
+    sparse = "sparseopt" in peer
     specs = {name: (rows, _updater(rule) if sparse else keras.optimizers.Adagrad(TABLE_LR), bag)
              for name, (rows, bag) in tables.items()}
-    return common.recommender(
+    model = common.recommender(
         specs, width, sparse=sparse, dense_features=DENSE_FEATURES, bottom=width, top=(TOP,),
         loss=keras.losses.BinaryCrossentropy(from_logits=True),
         dense_optimizer=keras.optimizers.Adam(DENSE_LR))
+    if peer.endswith("-grouped"):
+        model.optimizer.group_tables = True  # before its first step builds it
+    return model
 
 
 class _TorchModel:
@@ -390,12 +394,45 @@ def ratio_rows(results):
     rows = []
     for key, peers_at in sorted(by_key.items()):
         fb = peers_at.get("torch-fbgemm")
-        for peer in ("jax-sparseopt", "tensorflow-sparseopt", "keras-jax"):
+        for peer in ("jax-sparseopt", "jax-sparseopt-grouped", "tensorflow-sparseopt",
+                     "tensorflow-sparseopt-grouped", "keras-jax"):
             if peer in peers_at and fb is not None:
                 rows.append(dict(zip(("variant", "width", "rule", "batch"), key), peer=peer,
                                  ratio=peers_at[peer]["median_ms"] / fb["median_ms"],
                                  interleaved=not (peers_at[peer]["alone"] or fb["alone"])))
     return rows
+
+
+def grid(data):
+    """The whole grid in one table: ms per step (and / FBGEMM) by batch, one row per peer."""
+    ok = [r for r in data["results"] if "failed" not in r]
+    batches = sorted({r["batch"] for r in data["results"]})
+    ratio = {(r["variant"], r["width"], r["rule"], r["batch"], r["peer"]): r
+             for r in data["ratios"]}
+    lines = ["| variant | width | rule | peer | " + " | ".join(f"{b:,}" for b in batches) + " |",
+             "|---" * (4 + len(batches)) + "|"]
+    keys = sorted({(r["variant"], r["width"], r["rule"], r["peer"]) for r in data["results"]},
+                  key=lambda k: (VARIANTS.index(k[0]) if k[0] in VARIANTS else 9, k[1],
+                                 k[2], k[3]))
+    for variant, width, rule, peer in keys:
+        cells = []
+        for b in batches:
+            r = next((r for r in ok if (r["variant"], r["width"], r["rule"], r["peer"],
+                                        r["batch"]) == (variant, width, rule, peer, b)), None)
+            failed = any("failed" in r and (r["variant"], r["width"], r["rule"], r["peer"],
+                                            r["batch"]) == (variant, width, rule, peer, b)
+                         for r in data["results"])
+            if r is None:
+                cells.append("failed" if failed else "")
+                continue
+            x = ratio.get((variant, width, rule, b, peer))
+            mark = "" if x is None or x["interleaved"] else "*"
+            cells.append(f"{r['median_ms']:.1f}" + (f" ({x['ratio']:.2f}x{mark})" if x else ""))
+        lines.append(f"| {variant} | {width} | {rule} | {peer} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("ms per step (median); in brackets, / FBGEMM's step on the same batches "
+                 "(* timed one peer at a time, not interleaved).")
+    return "\n".join(lines)
 
 
 def markdown(data):
@@ -437,20 +474,26 @@ def plots(data, out, stem):
     panels = sorted({(r["variant"], r["width"], r["rule"]) for r in ok})
     if not panels:
         return []
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
-    for ax, (variant, width, rule) in zip(axes[0], panels):
+    cols = min(4, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    colors = {"jax-sparseopt": "C0", "tensorflow-sparseopt": "C1", "torch-fbgemm": "C2",
+              "keras-jax": "C3"}
+    for ax, (variant, width, rule) in zip(axes.flat, panels):
         for peer in sorted({r["peer"] for r in ok}):
             pts = sorted((r["batch"], r["examples_per_s"]) for r in ok
                          if (r["variant"], r["width"], r["rule"], r["peer"])
                          == (variant, width, rule, peer))
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=peer)
+                ax.plot(*zip(*pts), marker="o", label=peer, color=colors.get(peer))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"{variant}, width {width}, {rule}", fontsize=9)
         ax.set_xlabel("batch")
-    axes[0][0].set_ylabel("examples / s")
-    axes[0][-1].legend(fontsize=7)
+        ax.set_ylabel("examples / s")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
     fig.tight_layout()
     path = out / f"{stem}.png"
     fig.savefig(path, dpi=110)
@@ -483,6 +526,8 @@ def main():
     if args.report:
         path = pathlib.Path(args.report)
         data = json.loads(path.read_text())
+        print(grid(data))
+        print()
         print(markdown(data))
         for plot in plots(data, path.parent, path.stem):
             print(f"wrote {plot}")
@@ -528,6 +573,8 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     stem = "dlrm_step_quick" if args.quick else "dlrm_step"
     (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
+    print()
+    print(grid(data))
     print()
     print(markdown(data))
     for path in plots(data, out, stem):

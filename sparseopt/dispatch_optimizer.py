@@ -29,10 +29,10 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
     non-finite gradients leaves them untouched. Clipping, weight decay and EMA
     of the Keras optimizer act on dense variables only.
 
-    Tables with the same width, dtype and updater configuration are updated
-    together (`sparseopt.table_trainer.TableGroup`: one dedup pass for all of
-    them), with exactly the results, state and checkpoints of updating each
-    alone.
+    With `group_tables=True`, tables with the same width, dtype and updater
+    configuration are updated together (`sparseopt.table_trainer.TableGroup`:
+    one dedup pass for all of them), with the results, state and checkpoints
+    of updating each alone.
 
     Under a `keras.distribution` (JAX), each table's state is split like the
     table, and a table split by rows is updated on each shard, in place (see
@@ -45,12 +45,13 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             to a Keras optimizer or a `sparseopt.updaters.Updater`. It overrides
             what layers declare.
         group_tables: update tables that share width, dtype and updater
-            configuration together (default). `False` updates each table on
-            its own (same results; more work per step with many tables).
+            configuration in one dedup pass (same results). Off by default:
+            on CPU it is slower today at production shapes (one large dedup
+            is costlier than many small ones; see docs/design.md).
         name: optional name.
     """
 
-    def __init__(self, optimizer, optimizer_map=None, group_tables=True, name=None,
+    def __init__(self, optimizer, optimizer_map=None, group_tables=False, name=None,
                  **kwargs):
         optimizer = keras.optimizers.get(optimizer)
         if isinstance(optimizer, (DispatchOptimizer, keras.optimizers.LossScaleOptimizer)):

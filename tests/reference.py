@@ -1,4 +1,4 @@
-"""NumPy implementation of ../shared/reference/update_rules.md, independent of sparseopt."""
+"""NumPy implementation of the update rules in docs/semantics.md, independent of sparseopt."""
 
 import numpy as np
 

@@ -137,3 +137,34 @@ def test_sharded_benchmark_runs_and_measures_each_device_count(tmp_path):
     assert results[0]["collective_bytes_per_device"] == 0 < results[1]["collective_bytes_per_device"]
     assert run_["estimate"]["measured_state_bytes"] == run_["estimate"]["formula_state_bytes"]
     assert "WARNING" not in proc.stdout and (tmp_path / "sharded.png").exists()
+
+
+@pytest.mark.backend_independent
+def test_dlrm_step_shapes_ids_floor_and_ratios():
+    import numpy as np
+
+    import dlrm_step
+
+    criteo = dlrm_step.tables_of("criteo")
+    assert len(criteo) == 26 and sum(r for r, _ in criteo.values()) == 33_762_577
+    assert dlrm_step.tables_of("multihot") == {"bag": (10_131_227, 20)}
+    assert max(r for r, _ in dlrm_step.tables_of("criteo", 1000).values()) == 1000
+    # Skewed ids stay in range, and spreading the ranks is a bijection of the rows.
+    rng = np.random.default_rng(0)
+    for rows in (3, 1460, 10_131_227):
+        ids = dlrm_step.skewed_ids(rng, rows, (5000,))
+        assert ids.min() >= 0 and ids.max() < rows
+    ranks = np.arange(1460)
+    assert np.unique(ranks * dlrm_step.SPREAD % 1460).size == 1460
+    # 10 ids read (16 floats) + 4 distinct rows with a row-wise accumulator, read and written.
+    assert dlrm_step.traffic_floor_bytes(10, 4, 16, "rowwise_adagrad") == 10 * 64 + 4 * 68 * 2
+    assert dlrm_step.traffic_floor_bytes(10, 4, 16, "adagrad") == 10 * 64 + 4 * 128 * 2
+    # Children that do not fit together are timed apart.
+    specs = [{"estimate_gb": gb} for gb in (8, 8, 8, 17)]
+    assert [len(g) for g in dlrm_step.plan(specs, 19.0)] == [2, 1, 1]
+    results = [dict(variant="criteo", width=16, rule="adagrad", batch=1024, peer=p,
+                    median_ms=ms, alone=alone)
+               for p, ms, alone in (("jax-sparseopt", 3.0, False), ("torch-fbgemm", 2.0, False),
+                                    ("tensorflow-sparseopt", 5.0, True))]
+    ratios = {r["peer"]: (r["ratio"], r["interleaved"]) for r in dlrm_step.ratio_rows(results)}
+    assert ratios == {"jax-sparseopt": (1.5, True), "tensorflow-sparseopt": (2.5, False)}

@@ -7,8 +7,8 @@ is counted; otherwise the table and its state equal the NumPy reference of
 the rule; nothing is ever non-finite.
 
 Each model has a second table with the same updater configuration (5 rows,
-its own ids), which `DispatchOptimizer` updates in the same group (one dedup
-for both): everything above holds for each table on its own, and a
+its own ids), which `DispatchOptimizer(group_tables=True)` updates in the same
+group (one dedup for both): everything above holds for each table on its own, and a
 non-finite gradient in one table skips that table only.
 
 On JAX the update takes a step's distinct rows `DISTINCT_CHUNK` at a time
@@ -64,7 +64,7 @@ def _model(name, vocab, mode):
             for k, rows in (("emb", vocab), ("other", OTHER_VOCAB))]
         out = keras.layers.Concatenate(axis=1)([tables[0](inputs["a"]), tables[1](inputs["b"])])
         model = keras.Model(inputs, out)
-        opt = sparseopt.DispatchOptimizer(keras.optimizers.SGD())
+        opt = sparseopt.DispatchOptimizer(keras.optimizers.SGD(), group_tables=True)
         model.compile(optimizer=opt, loss=dot_loss, jit_compile=mode != "traced")
         opt.build(model.trainable_variables)
         assert opt.table_groups == [[t.embeddings.path for t in tables]]

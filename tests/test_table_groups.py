@@ -93,10 +93,11 @@ def test_grouped_tables_end_where_ungrouped_ones_do():
     assert opt.skipped_steps() == opt_alone.skipped_steps()
 
 
-def test_group_tables_is_part_of_the_config():
-    opt = sparseopt.DispatchOptimizer("adam", group_tables=False)
+def test_group_tables_is_off_by_default_and_part_of_the_config():
+    assert sparseopt.DispatchOptimizer("adam").group_tables is False
+    opt = sparseopt.DispatchOptimizer("adam", group_tables=True)
     again = sparseopt.DispatchOptimizer.from_config(opt.get_config())
-    assert again.group_tables is False
+    assert again.group_tables is True
 
 
 @pytest.mark.parametrize("rows", [2**29, 2**29 + 1])
