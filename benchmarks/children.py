@@ -9,6 +9,8 @@ import json
 import pathlib
 import time
 
+import numpy as np
+
 
 def drive(children, rounds, cooldown_s=0.0):
     """Times `children` round-robin for `rounds` rounds; returns their JSON results.
@@ -54,3 +56,45 @@ def reset_peak_memory():
         pathlib.Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass
+
+
+class StepTimer:
+    """Times one compiled training step in a child: warm-up, then timed rounds.
+
+    Args:
+        run: runs one step (asynchronously where the framework allows).
+        sync: waits for the steps in flight.
+        max_steps: most steps in one timing.
+    """
+
+    def __init__(self, run, sync, max_steps=500):
+        self.run, self.sync, self.max_steps = run, sync, max_steps
+        for _ in range(3):  # compile and warm up
+            run()
+        sync()
+        start = time.perf_counter()
+        run()
+        sync()
+        self.probe_s = max(time.perf_counter() - start, 1e-5)
+        self.step_ms = []
+
+    def time(self, budget_s):
+        """One timing of about `budget_s` seconds of steps (at least 3)."""
+        steps = int(max(3, min(self.max_steps, budget_s / self.probe_s)))
+        # Untimed steps first: this configuration's buffers back in cache, and
+        # the cores awake again after the parent's pause between children.
+        for _ in range(max(1, steps // 3)):
+            self.run()
+        self.sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.run()
+        self.sync()
+        self.step_ms.append((time.perf_counter() - start) / steps * 1e3)
+
+    def stats(self):
+        """Every timing, and their median, quartiles, min and max (ms per step)."""
+        ms = np.asarray(self.step_ms)
+        return {"step_ms": ms.tolist(), "median_ms": float(np.median(ms)),
+                "p25_ms": float(np.percentile(ms, 25)), "p75_ms": float(np.percentile(ms, 75)),
+                "min_ms": float(ms.min()), "max_ms": float(ms.max())}

@@ -55,7 +55,7 @@ import time
 import numpy as np
 
 import common
-from children import drive, memory_mb, reset_peak_memory
+from children import StepTimer, drive, memory_mb, reset_peak_memory
 
 HERE = pathlib.Path(__file__).parent
 RESULTS = HERE / "results"
@@ -244,30 +244,12 @@ def torch_step(model, xs, ys):
     return run, (lambda: None)
 
 
-class Timing:
+class Timing(StepTimer):
     """One batch size of the child's model, with its timings."""
 
     def __init__(self, run, sync, batch, distinct):
-        self.run, self.sync, self.batch, self.distinct = run, sync, batch, distinct
-        for _ in range(3):  # compile and warm up
-            self.run()
-        self.sync()
-        start = time.perf_counter()
-        self.run()
-        self.sync()
-        self.probe_s = max(time.perf_counter() - start, 1e-5)
-        self.step_ms = []
-
-    def time(self, budget_s):
-        steps = int(max(3, min(300, budget_s / self.probe_s)))
-        for _ in range(max(1, steps // 3)):  # this batch's buffers back in cache
-            self.run()
-        self.sync()
-        start = time.perf_counter()
-        for _ in range(steps):
-            self.run()
-        self.sync()
-        self.step_ms.append((time.perf_counter() - start) / steps * 1e3)
+        super().__init__(run, sync, max_steps=300)
+        self.batch, self.distinct = batch, distinct
 
 
 def serve(spec, budget_s):
@@ -311,14 +293,11 @@ def serve(spec, budget_s):
             peak = memory_mb("VmHWM:")
             out = []
             for t in timings:
-                ms = np.asarray(t.step_ms)
+                stats = t.stats()
                 ids = t.batch * sum(bag for _, bag in tables.values())
                 out.append(dict(
-                    {k: v for k, v in spec.items() if k != "batches"}, batch=t.batch,
-                    step_ms=ms.tolist(), median_ms=float(np.median(ms)),
-                    p25_ms=float(np.percentile(ms, 25)), p75_ms=float(np.percentile(ms, 75)),
-                    min_ms=float(ms.min()), max_ms=float(ms.max()),
-                    examples_per_s=t.batch / float(np.median(ms)) * 1e3,
+                    {k: v for k, v in spec.items() if k != "batches"}, batch=t.batch, **stats,
+                    examples_per_s=t.batch / stats["median_ms"] * 1e3,
                     ids_per_step=ids, distinct_ids_per_step=t.distinct,
                     floor_bytes=traffic_floor_bytes(ids, t.distinct, width, rule),
                     peak_rss_mb=peak, base_rss_mb=base_mb, build_s=build_s))

@@ -23,12 +23,11 @@ round-robin on the parent's `time` commands.
 
 import json
 import sys
-import time
 
 import numpy as np
 
 import common
-from children import memory_mb, reset_peak_memory
+from children import StepTimer, memory_mb, reset_peak_memory
 
 WIDTH = 32
 IDS_PER_EXAMPLE = 16
@@ -222,37 +221,17 @@ class Config:
             self.run, self.sync = (jax_step if framework == "jax" else tf_step)(model, xs, ys)
             self.state = keras_state_bytes(model, rows)
             self.model = model
-        for _ in range(3):  # compile and warm up
-            self.run()
-        self.sync()
-        probe = time.perf_counter()
-        self.run()
-        self.sync()
-        self.probe_s = max(time.perf_counter() - probe, 1e-5)
+        self.timer = StepTimer(self.run, self.sync)
         self.build_peak_mb = memory_mb("VmHWM:") - rss_before
         self.distinct = float(np.mean([np.unique(x).size for x in xs]))
-        self.step_ms = []
 
     def time(self, budget_s):
-        steps = int(max(3, min(500, budget_s / self.probe_s)))
-        # Untimed steps first: this configuration's buffers back in cache, and
-        # the cores awake again after the parent's pause between children.
-        for _ in range(max(1, steps // 3)):
-            self.run()
-        self.sync()
-        start = time.perf_counter()
-        for _ in range(steps):
-            self.run()
-        self.sync()
-        self.step_ms.append((time.perf_counter() - start) / steps * 1e3)
+        self.timer.time(budget_s)
 
     def result(self):
-        ms = np.asarray(self.step_ms)
-        return dict(self.slot, **{
-            "step_ms": ms.tolist(), "median_ms": float(np.median(ms)),
-            "p25_ms": float(np.percentile(ms, 25)), "p75_ms": float(np.percentile(ms, 75)),
-            "min_ms": float(ms.min()), "max_ms": float(ms.max()),
-            "examples_per_s": self.slot["batch"] / (float(np.median(ms)) / 1e3),
+        stats = self.timer.stats()
+        return dict(self.slot, **stats, **{
+            "examples_per_s": self.slot["batch"] / (stats["median_ms"] / 1e3),
             "distinct_ids_per_step": self.distinct,
             "table_bytes": self.slot["rows"] * WIDTH * 4,
             "state_bytes": self.state,
