@@ -121,11 +121,12 @@ class TableTrainer:
         """What tables updated together must share, or None if this one stays alone.
 
         Width, dtype and updater configuration. A shipped updater's
-        configuration is its `get_config()` (its name aside); a user's
-        updater class is grouped only with tables that share the very same
-        updater object, since its config may not hold everything its rule
-        reads. A table placed by a `keras.distribution` stays alone: its
-        update is laid out by its own sharding.
+        configuration is its `get_config()` (its name aside), and its
+        learning-rate schedule object if it has one; a user's updater class
+        is grouped only with tables that share the very same updater object.
+        (A user's class or schedule may read more than its config holds.) A
+        table placed by a `keras.distribution` stays alone: its update is
+        laid out by its own sharding.
         """
         if compat.layout_of(self.table) is not None:
             return None
@@ -133,7 +134,9 @@ class TableTrainer:
         cls = type(updater)
         if updaters.registry(shipped_only=True).get(cls.__name__) is cls:
             config = {k: v for k, v in updater.get_config().items() if k != "name"}
-            rule = (cls.__name__, json.dumps(config, sort_keys=True, default=repr))
+            schedule = None if isinstance(updater.learning_rate, float) else \
+                id(updater.learning_rate)
+            rule = (cls.__name__, json.dumps(config, sort_keys=True, default=repr), schedule)
         else:
             rule = ("object", id(updater))
         return (self.table.shape[1], keras.backend.standardize_dtype(self.table.dtype), rule)
@@ -147,8 +150,9 @@ class TableGroup:
     space and deduplicated together (one pass, one workspace), then each
     table's distinct rows are gathered, updated and scattered back in
     place (`sparse_apply_group`). Results are those of updating each table
-    alone; each member keeps its own state, skip count and checkpoint
-    entries, so grouping never changes what is saved.
+    alone (up to float rounding: another compiled program); each member
+    keeps its own state, skip count and checkpoint entries, so grouping
+    never changes what is saved.
 
     Args:
         trainers: the member `TableTrainer`s (two or more).

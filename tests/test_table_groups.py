@@ -37,6 +37,7 @@ def _model(specs, group_tables=True):
 
 def test_groups_follow_width_dtype_and_updater_configuration():
     shared = MyRule(0.1)
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
     _, opt = _model([
         ("a", 10, 3, sparseopt.updaters.Adagrad(0.1)),
         ("b", 20, 3, sparseopt.updaters.Adagrad(0.1, name="mine")),  # names do not matter
@@ -48,13 +49,19 @@ def test_groups_follow_width_dtype_and_updater_configuration():
         ("h", 80, 3, MyRule(0.1)),
         ("i", 90, 3, shared),
         ("j", 99, 3, shared),
+        # Schedules: the same object groups; an equal config alone does not.
+        ("k", 11, 3, sparseopt.updaters.SGD(schedule)),
+        ("l", 12, 3, sparseopt.updaters.SGD(schedule)),
+        ("m", 13, 3, sparseopt.updaters.SGD(
+            keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5))),
     ])
     assert opt.table_groups == [["a/embeddings", "b/embeddings", "f/embeddings"],
-                                ["i/embeddings", "j/embeddings"]]
+                                ["i/embeddings", "j/embeddings"],
+                                ["k/embeddings", "l/embeddings"]]
     # One dedup workspace per group (JAX), sized for its tables together.
     rows = sorted(v.shape[0] for v in opt.scratch_variables())
     if keras.backend.backend() == "jax":
-        assert rows == sorted([10 + 20 + 60, 90 + 99, 30, 40, 50, 70, 80])
+        assert rows == sorted([10 + 20 + 60, 90 + 99, 11 + 12, 30, 40, 50, 70, 80, 13])
     else:
         assert rows == []
 
