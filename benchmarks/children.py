@@ -7,6 +7,7 @@ line before exiting.
 
 import json
 import pathlib
+import sys
 import time
 
 import numpy as np
@@ -35,6 +36,25 @@ def drive(children, rounds, cooldown_s=0.0):
         results.append(json.loads(child.stdout.readline()))
         child.wait()
     return results
+
+
+def answer(time_once, result):
+    """The child's side of `drive`: says `ready`, then answers the parent on stdin.
+
+    Args:
+        time_once: called for each `time` line (one timing of everything the
+            child hosts), answered with `ok`.
+        result: called for the `result` line; its return value is printed as
+            one JSON line, and the child stops listening.
+    """
+    print("ready", flush=True)
+    for command in sys.stdin:
+        if command.strip() == "time":
+            time_once()
+            print("ok", flush=True)
+        elif command.strip() == "result":
+            print(json.dumps(result()), flush=True)
+            return
 
 
 def memory_mb(key, pid="self", path=None):

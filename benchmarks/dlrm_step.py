@@ -55,7 +55,7 @@ import time
 import numpy as np
 
 import common
-from children import StepTimer, drive, memory_mb, reset_peak_memory
+from children import StepTimer, answer, drive, memory_mb, reset_peak_memory
 
 HERE = pathlib.Path(__file__).parent
 RESULTS = HERE / "results"
@@ -283,26 +283,25 @@ def serve(spec, budget_s):
         else:
             run, sync = peers.tf_step(model, xs, ys)
         timings.append(Timing(run, sync, batch, distinct))
-    print("ready", flush=True)
-    for command in sys.stdin:
-        if command.strip() == "time":
-            for timing in timings:
-                timing.time(budget_s)
-            print("ok", flush=True)
-        elif command.strip() == "result":
-            peak = memory_mb("VmHWM:")
-            out = []
-            for t in timings:
-                stats = t.stats()
-                ids = t.batch * sum(bag for _, bag in tables.values())
-                out.append(dict(
-                    {k: v for k, v in spec.items() if k != "batches"}, batch=t.batch, **stats,
-                    examples_per_s=t.batch / stats["median_ms"] * 1e3,
-                    ids_per_step=ids, distinct_ids_per_step=t.distinct,
-                    floor_bytes=traffic_floor_bytes(ids, t.distinct, width, rule),
-                    peak_rss_mb=peak, base_rss_mb=base_mb, build_s=build_s))
-            print(json.dumps(out), flush=True)
-            return
+    def time_once():
+        for timing in timings:
+            timing.time(budget_s)
+
+    def result():
+        peak = memory_mb("VmHWM:")
+        out = []
+        for t in timings:
+            stats = t.stats()
+            ids = t.batch * sum(bag for _, bag in tables.values())
+            out.append(dict(
+                {k: v for k, v in spec.items() if k != "batches"}, batch=t.batch, **stats,
+                examples_per_s=t.batch / stats["median_ms"] * 1e3,
+                ids_per_step=ids, distinct_ids_per_step=t.distinct,
+                floor_bytes=traffic_floor_bytes(ids, t.distinct, width, rule),
+                peak_rss_mb=peak, base_rss_mb=base_mb, build_s=build_s))
+        return out
+
+    answer(time_once, result)
 
 
 # -- the parent ------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import sys
 import numpy as np
 
 import common
-from children import StepTimer, memory_mb, reset_peak_memory
+from children import StepTimer, answer, memory_mb, reset_peak_memory
 
 WIDTH = 32
 IDS_PER_EXAMPLE = 16
@@ -259,15 +259,11 @@ def serve(framework, slots, budget_s):
     configs = [Config(framework, slot) for slot in slots]
     for config in configs:
         config.base_mb = base_mb
-    print("ready", flush=True)
-    for command in sys.stdin:
-        if command.strip() == "time":
-            for config in configs:
-                config.time(budget_s)
-            print("ok", flush=True)
-        elif command.strip() == "result":
-            print(json.dumps([c.result() for c in configs]), flush=True)
-            return
+    def time_once():
+        for config in configs:
+            config.time(budget_s)
+
+    answer(time_once, lambda: [c.result() for c in configs])
 
 
 if __name__ == "__main__":

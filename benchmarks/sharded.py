@@ -34,7 +34,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 import common
-from children import drive, memory_mb  # noqa: E402
+from children import answer, drive, memory_mb  # noqa: E402
 
 DEVICES = (1, 2, 4, 8)
 
@@ -88,23 +88,24 @@ def child(args):
     for _ in range(3):  # warm-up
         _, state = compiled(state, inputs[0])
     jax.block_until_ready(state)
-    print("ready", flush=True)
     step = 0
-    for line in sys.stdin:
-        if line.strip() == "time":
-            times = []
-            for _ in range(args.steps):
-                start = time.perf_counter()
-                logs, state = compiled(state, inputs[step % len(inputs)])
-                jax.block_until_ready(logs)
-                times.append(time.perf_counter() - start)
-                step += 1
-            result["times_ms"].append(1e3 * statistics.median(times[args.steps // 3:]))
-            print("ok", flush=True)
-        elif line.strip() == "result":
-            result["rss_mb"] = memory_mb("VmRSS:")
-            print(json.dumps(result), flush=True)
-            return
+
+    def time_once():
+        nonlocal state, step
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            logs, state = compiled(state, inputs[step % len(inputs)])
+            jax.block_until_ready(logs)
+            times.append(time.perf_counter() - start)
+            step += 1
+        result["times_ms"].append(1e3 * statistics.median(times[args.steps // 3:]))
+
+    def final():
+        result["rss_mb"] = memory_mb("VmRSS:")
+        return result
+
+    answer(time_once, final)
 
 
 def estimate(results, args):
