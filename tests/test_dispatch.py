@@ -254,6 +254,27 @@ def test_combiners_reduce_the_bag_and_train_correctly(combiner):
     np.testing.assert_allclose(to_np(emb.embeddings), want, rtol=1e-5, atol=1e-6)
 
 
+def test_bags_longer_than_the_unrolled_sum_pool_and_train_like_short_ones():
+    # On JAX, bags of more than 64 ids are summed in a loop instead of unrolled.
+    bag = 70
+    emb = sparseopt.layers.SparseEmbedding(VOCAB, WIDTH, updater=sparseopt.updaters.SGD(1.0),
+                                           combiner="mean", name="emb")
+    ids = keras.Input((bag,), dtype="int32")
+    model = keras.Model(ids, emb(ids))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()), loss=dot_loss)
+    table0 = to_np(emb.embeddings)
+    x = np.random.default_rng(13).integers(-3, VOCAB, size=(2, bag)).astype("int32")
+    valid = x >= 0
+    counts = valid.sum(1, keepdims=True)
+    expect = np.stack([table0[x[i][valid[i]]].sum(0) for i in range(2)]) / counts
+    np.testing.assert_allclose(to_np(model.predict(x, verbose=0)), expect, rtol=1e-5)
+    y = np.arange(2 * WIDTH, dtype="float32").reshape(2, WIDTH)
+    model.train_on_batch(x, y)
+    per_id = np.repeat((y / 2 / counts)[:, None, :], bag, axis=1)
+    want, _ = numpy_replay("SGD", {}, table0, x[None], (per_id * 2)[None], lambda t: 1.0)
+    np.testing.assert_allclose(to_np(emb.embeddings), want, rtol=1e-5, atol=1e-6)
+
+
 class BagsAndIds(keras.layers.Layer):
     """Reads one table pooled (twice) and id by id in one call: three records per step."""
 
