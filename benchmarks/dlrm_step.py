@@ -83,6 +83,17 @@ QUICK_BATCHES = [1024, 4096]
 MEMORY_BUDGET_GB = 19.0  # of the machine's 24 GiB, for children alive together
 PROCESS_GB = {"jax": 1.2, "tensorflow": 1.5, "torch": 0.8}
 COOLDOWN_S = 0.5
+# glibc malloc settings every child runs with unless `--malloc default`: one
+# arena that keeps what is freed for reuse (up to 2 GB) and serves blocks up
+# to 1 GB from it, instead of mapping fresh pages for every large temporary
+# and faulting them in again each step. XLA:CPU allocates a step's
+# temporaries afresh on every call: 65 MB for multi-hot at batch 16,384
+# (12,775 page faults, 13 ms a step on JAX, measured); glibc maps blocks over
+# 32 MB, and from threads other than the main one, over 64 MB, whatever the
+# thresholds, hence one arena. The same for every peer (FBGEMM's steps fault
+# too: Criteo-shaped at 65,536, 257 -> 160 ms).
+KEEP_FREED_MEMORY = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(2**30),
+                     "MALLOC_TRIM_THRESHOLD_": str(2**31)}
 
 
 def tables_of(variant, rows_cap=None):
@@ -307,9 +318,11 @@ def serve(spec, budget_s):
 # -- the parent ------------------------------------------------------------------------
 
 
-def spawn(spec, budget_s):
+def spawn(spec, budget_s, malloc="keep"):
     framework = "jax" if spec["peer"] == "keras-jax" else spec["peer"].split("-")[0]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    if malloc == "keep":
+        env.update(KEEP_FREED_MEMORY)
     if framework != "torch":
         env["KERAS_BACKEND"] = framework
     return subprocess.Popen(
@@ -318,11 +331,11 @@ def spawn(spec, budget_s):
         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def run_group(specs, rounds, budget_s, tag):
+def run_group(specs, rounds, budget_s, tag, malloc):
     """Times the children of `specs` round-robin; a child that dies is recorded as failed."""
     children, results = [], []
     for spec in specs:
-        child = spawn(spec, budget_s)
+        child = spawn(spec, budget_s, malloc)
         if child.stdout.readline().strip() != "ready":
             child.wait()
             err = child.stderr.read()[-800:].strip()
@@ -408,8 +421,11 @@ def grid(data):
             cells.append(f"{r['median_ms']:.1f}" + (f" ({x['ratio']:.2f}x{mark})" if x else ""))
         lines.append(f"| {variant} | {width} | {rule} | {peer} | " + " | ".join(cells) + " |")
     lines.append("")
+    malloc = data.get("settings", {}).get("malloc", "default")
     lines.append("ms per step (median); in brackets, / FBGEMM's step on the same batches "
-                 "(* timed one peer at a time, not interleaved).")
+                 "(* timed one peer at a time, not interleaved). Every peer ran with glibc "
+                 "malloc " + ("defaults." if malloc == "default" else
+                              " ".join(f"{k}={v}" for k, v in malloc.items()) + "."))
     return "\n".join(lines)
 
 
@@ -494,6 +510,9 @@ def main():
     parser.add_argument("--rows-cap", type=int, help="cap every table at this many rows")
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--budget", type=float, help="seconds of steps per timing")
+    parser.add_argument("--malloc", choices=["keep", "default"], default="keep",
+                        help="glibc malloc settings of every peer: keep freed memory for "
+                             "reuse (KEEP_FREED_MEMORY) or glibc's defaults")
     parser.add_argument("--report", metavar="JSON",
                         help="re-print the tables and re-draw the plot of a saved run")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -540,12 +559,13 @@ def main():
                     tag = f"{variant} w{width} {rule} {i + 1}/{len(groups)}"
                     gb = sum(s["estimate_gb"] for s in group)
                     print(f"{tag}: {[s['peer'] for s in group]} ~{gb:.1f} GB", flush=True)
-                    results += run_group(group, rounds, budget, tag)
+                    results += run_group(group, rounds, budget, tag, args.malloc)
     data = {"command": " ".join(["python"] + sys.argv), "copy_bandwidth_gbs": bandwidth,
             "random_row_gbs": random_row,
             "versions": suite.versions(), "cpus": os.cpu_count(), "notes": notes,
             "settings": {"zipf_a": ZIPF_A, "bag": BAG, "rounds": rounds, "budget_s": budget,
-                         "rows_cap": rows_cap, "batches": batches, "table_lr": TABLE_LR},
+                         "rows_cap": rows_cap, "batches": batches, "table_lr": TABLE_LR,
+                         "malloc": KEEP_FREED_MEMORY if args.malloc == "keep" else "default"},
             "results": results, "ratios": ratio_rows(results), "seconds": time.time() - start}
     out = suite.QUICK_RESULTS if args.quick else RESULTS
     out.mkdir(parents=True, exist_ok=True)

@@ -99,7 +99,7 @@ def main():
               f"{rows[1][2] / rows[0][2]:.1f}x smaller (tables: {table_bytes / 2**20:.0f} MB)")
     scratch = state_bytes(optimizer, scratch=True)
     if scratch:
-        print(f"(plus {scratch / 2**20:.1f} MB of dedup workspace on JAX: 4 bytes per row, "
+        print(f"(plus {scratch / 2**20:.1f} MB of dedup workspace: 4 bytes per row, "
               "scratch, not saved)")
 
 

@@ -51,7 +51,7 @@ class TableTrainer:
         self.owner = owner
         self.slots = {}  # slot name -> Keras variable, laid out like the table
         self.skipped = None  # int32 scalar: steps skipped for non-finite gradients
-        self.workspace = None  # int32 [V] dedup scratch (JAX), never saved
+        self.workspace = None  # int32 [V (+1 on TF)] dedup scratch, never saved
 
     @property
     def name(self):
@@ -63,8 +63,8 @@ class TableTrainer:
 
         Args:
             optimizer: the optimizer that owns the variables.
-            workspace: whether to create the table's own dedup workspace
-                (JAX); a table updated by a `TableGroup` uses the group's.
+            workspace: whether to create the table's own dedup workspace;
+                a table updated by a `TableGroup` uses the group's.
         """
         table, prefix = self.table, self.table.path.replace("/", "_")
         for spec in self.updater.slots:
@@ -78,8 +78,9 @@ class TableTrainer:
         if backend.WORKSPACE and workspace:
             # One per table, so that the tables' updates stay independent.
             self.workspace = optimizer.add_variable(
-                shape=(table.shape[0],), dtype="int32", initializer="zeros",
-                layout=layout_like(table, 1), name=f"{prefix}_dedup_workspace")
+                shape=(table.shape[0] + backend.WORKSPACE_SINK,), dtype="int32",
+                initializer="zeros", layout=layout_like(table, 1),
+                name=f"{prefix}_dedup_workspace")
 
     def state(self):
         """`{slot name: Keras variable}`: the updater's state of this table."""
@@ -168,7 +169,7 @@ class TableGroup:
         return sum(t.table.shape[0] for t in self.trainers)
 
     def build(self, optimizer, name):
-        """Creates the group's int32 dedup workspace, one entry per row of its tables (JAX).
+        """Creates the group's int32 dedup workspace, one entry per row of its tables.
 
         The members' own state is built by each `TableTrainer` (with
         `workspace=False`), in the order the tables were found, so that
@@ -176,7 +177,8 @@ class TableGroup:
         """
         if backend.WORKSPACE:
             self.workspace = optimizer.add_variable(
-                shape=(self.num_rows,), dtype="int32", initializer="zeros",
+                shape=(self.num_rows + backend.WORKSPACE_SINK,), dtype="int32",
+                initializer="zeros",
                 name=f"{name}_dedup_workspace")
 
     @property

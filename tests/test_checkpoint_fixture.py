@@ -9,7 +9,8 @@ import sparseopt
 from tests.fixtures import make_checkpoint as fixture
 
 
-def test_checkpoint_of_main_0741813_resumes_bit_for_bit():
+def test_checkpoint_of_main_0741813_resumes_exactly():
+    """Bit for bit on JAX; to float rounding on TensorFlow (see below)."""
     backend = keras.backend.backend()
     path = os.path.join(fixture.HERE, f"main_{backend}.keras")
     want = dict(np.load(os.path.join(fixture.HERE, f"main_{backend}_expected.npz")))
@@ -29,7 +30,17 @@ def test_checkpoint_of_main_0741813_resumes_bit_for_bit():
     assert sorted(got) == sorted(set(want) - bookkeeping)
     assert sum(k.startswith("optimizer:") for k in got) > 10  # tables' state and Adam's
     for key in got:
-        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+        if backend == "tensorflow":
+            # TF now runs its dedup, pooled reads and rules as compiled
+            # functions where 0741813 ran TF's kernels: the same arithmetic,
+            # rounded differently in the last bits (up to 10 ulp after two
+            # steps, measured). A state that failed to load would be off by
+            # far more. Resuming stays bit for bit within a version
+            # (tests/test_resume.py).
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-7,
+                                       err_msg=key)
+        else:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
 def test_keras_rs_weights_of_main_947df4a_load_with_the_legacy_helper():

@@ -76,11 +76,12 @@ def test_standard_optimizer_creates_no_slot_for_tables():
     table = model.get_layer("emb").embeddings
     assert {k: tuple(v.shape) for k, v in opt.table_state(table).items()} == {
         "accumulator": (100_000, WIDTH), "linear": (100_000, WIDTH)}
-    # JAX's dedup scratch: one int32 per row (1/WIDTH of the table), not saved.
+    # The dedup scratch: one int32 per row (1/WIDTH of the table; TF: and a
+    # sink for invalid ids), not saved.
     from sparseopt import backend
 
     workspace = [(tuple(v.shape), v.dtype) for v in opt.scratch_variables()]
-    assert workspace == ([((100_000,), "int32")] if backend.WORKSPACE else [])
+    assert workspace == [((100_000 + backend.WORKSPACE_SINK,), "int32")]
 
 
 def _scaled_run(make_optimizer, xs, ys, updater):
@@ -254,8 +255,16 @@ def test_combiners_reduce_the_bag_and_train_correctly(combiner):
     np.testing.assert_allclose(to_np(emb.embeddings), want, rtol=1e-5, atol=1e-6)
 
 
-def test_bags_longer_than_the_unrolled_sum_pool_and_train_like_short_ones():
+@pytest.mark.parametrize("compiled", [False, True] if keras.backend.backend() == "tensorflow"
+                         else [False])
+def test_bags_longer_than_the_unrolled_sum_pool_and_train_like_short_ones(compiled,
+                                                                          monkeypatch):
     # On JAX, bags of more than 64 ids are summed in a loop instead of unrolled.
+    # On TF, pooled reads of many ids are XLA-compiled (all of them, here).
+    if compiled:
+        from sparseopt.backend import tensorflow as tf_backend
+
+        monkeypatch.setattr(tf_backend, "COMPILED_POOL_MIN_IDS", 1)
     bag = 70
     emb = sparseopt.layers.SparseEmbedding(VOCAB, WIDTH, updater=sparseopt.updaters.SGD(1.0),
                                            combiner="mean", name="emb")

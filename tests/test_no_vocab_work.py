@@ -44,12 +44,15 @@ def vocab_sized_work(model, data):
     model.train_on_batch(*data)
     fn = tf.function(model.train_step).get_concrete_function(tf.nest.map_structure(
         lambda a: tf.TensorSpec((None,) + a.shape[1:], a.dtype), data))
+    from sparseopt import backend
+
+    vocab = {V, V + backend.WORKSPACE_SINK}  # a table, or the dedup workspace
     found = set()
 
     def walk(graph):
         for op in graph.get_operations():
             for out in op.outputs:
-                if out.shape.rank and V in out.shape.as_list():
+                if out.shape.rank and vocab & set(out.shape.as_list()):
                     found.add((op.type, tuple(out.shape.as_list())))
         for f in graph._functions.values():
             walk(f.graph)

@@ -165,24 +165,15 @@ def test_several_steps_per_execution_apply_every_step():
     np.testing.assert_allclose(to_np(emb.embeddings), want, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.skipif(keras.backend.backend() != "jax",
+                    reason="JAX's dedup pads its result with ids past the table; TF's returns "
+                           "exactly the distinct valid ids (no padding to wrap)")
 def test_dedup_padding_never_wraps_to_a_real_row_near_int32_limit():
-    from sparseopt import backend
+    from sparseopt.backend.jax import padding_ids
 
     num_rows = 2**31 - 10  # padding ids num_rows + i would overflow int32
-    if backend.WORKSPACE:
-        # A workspace for 2**31 rows is 8 GB; the padding ids are all that
-        # depends on num_rows there, so check those directly.
-        from sparseopt.backend.jax import padding_ids
-
-        pad = to_np(padding_ids(num_rows, 20)).astype(np.int64)
-        assert np.all(pad >= num_rows) and np.all(pad < 2**31)
-        np.testing.assert_array_equal(to_np(padding_ids(1000, 20)), 1000 + np.arange(20))
-        return
-    ids = np.array([5, 5, -1, 2**31 - 11, 7] * 4, dtype="int32")
-    grads = np.ones((20, 2), "float32")
-    uniq, summed, _ = (to_np(t) for t in backend.dedup(
-        keras.ops.convert_to_tensor(ids), keras.ops.convert_to_tensor(grads), num_rows))
-    assert np.all(uniq >= 0)
-    real = uniq < num_rows
-    assert sorted(uniq[real].astype(np.int64).tolist()) == [5, 7, 2**31 - 11]
-    np.testing.assert_array_equal(summed[real][np.argsort(uniq[real])][:, 0], [8, 4, 4])
+    # A workspace for 2**31 rows is 8 GB; the padding ids are all that
+    # depends on num_rows there, so check those directly.
+    pad = to_np(padding_ids(num_rows, 20)).astype(np.int64)
+    assert np.all(pad >= num_rows) and np.all(pad < 2**31)
+    np.testing.assert_array_equal(to_np(padding_ids(1000, 20)), 1000 + np.arange(20))

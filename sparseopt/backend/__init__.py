@@ -10,7 +10,8 @@ Each backend module provides:
 - `dedup(ids, grads, num_rows, workspace)`: sum the gradients of equal ids;
   ids outside `[0, num_rows)` are dropped. Returns `(ids, grads, count)`,
   the `count` distinct ids first. `WORKSPACE` says whether it needs
-  `workspace`, a persistent int32 variable with one entry per row (JAX).
+  `workspace`, a persistent int32 variable with one entry per row plus
+  `WORKSPACE_SINK` (TF: one, where invalid ids write).
 - `for_distinct_rows(update, variables, ids, grads, count)`: runs the
   gather-rule-scatter `update` on the `count` distinct entries only (JAX: in
   chunks of `DISTINCT_CHUNK`); `materialize(values)`: computes `values`
@@ -49,14 +50,14 @@ import keras
 
 if keras.backend.backend() == "jax":
     from sparseopt.backend.jax import (  # noqa: F401
-        PROBE_IS_WEIGHT, SPARSE_GRADIENTS, WORKSPACE, dedup, fill_in_blocks, for_distinct_rows,
-        fused_apply, gather, materialize, split_by_table,
+        PROBE_IS_WEIGHT, SPARSE_GRADIENTS, WORKSPACE, WORKSPACE_SINK, dedup, fill_in_blocks,
+        for_distinct_rows, fused_apply, gather, materialize, split_by_table,
         gather_from_resource, gradient_slices, has_int64, on_row_shards, outside_trace,
         read_pooled, read_rows, replicas_running_alone, row_shards, scatter, tap, trace_token)
 elif keras.backend.backend() == "tensorflow":
     from sparseopt.backend.tensorflow import (  # noqa: F401
-        PROBE_IS_WEIGHT, SPARSE_GRADIENTS, WORKSPACE, dedup, fill_in_blocks, for_distinct_rows,
-        fused_apply, gather, materialize, split_by_table,
+        PROBE_IS_WEIGHT, SPARSE_GRADIENTS, WORKSPACE, WORKSPACE_SINK, dedup, fill_in_blocks,
+        for_distinct_rows, fused_apply, gather, materialize, split_by_table,
         gather_from_resource, gradient_slices, has_int64, on_row_shards, outside_trace,
         read_pooled, read_rows, replicas_running_alone, row_shards, scatter, tap, trace_token)
 else:
