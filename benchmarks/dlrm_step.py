@@ -83,17 +83,19 @@ QUICK_BATCHES = [1024, 4096]
 MEMORY_BUDGET_GB = 19.0  # of the machine's 24 GiB, for children alive together
 PROCESS_GB = {"jax": 1.2, "tensorflow": 1.5, "torch": 0.8}
 COOLDOWN_S = 0.5
-# glibc malloc settings every child runs with unless `--malloc default`: one
-# arena that keeps what is freed for reuse (up to 2 GB) and serves blocks up
-# to 1 GB from it, instead of mapping fresh pages for every large temporary
-# and faulting them in again each step. XLA:CPU allocates a step's
-# temporaries afresh on every call: 65 MB for multi-hot at batch 16,384
-# (12,775 page faults, 13 ms a step on JAX, measured); glibc maps blocks over
-# 32 MB, and from threads other than the main one, over 64 MB, whatever the
-# thresholds, hence one arena. The same for every peer (FBGEMM's steps fault
-# too: Criteo-shaped at 65,536, 257 -> 160 ms).
-KEEP_FREED_MEMORY = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(2**30),
-                     "MALLOC_TRIM_THRESHOLD_": str(2**31)}
+# glibc malloc setting every child runs with unless `--malloc default`:
+# transparent huge pages for what malloc maps (glibc >= 2.35, with THP in
+# "madvise" or "always" mode). XLA:CPU allocates a step's temporaries afresh
+# on every call (65 MB for multi-hot at batch 16,384), and glibc maps blocks
+# over 32 MB freshly and unmaps them on free: every step faulted its
+# temporaries in again, 4 KB at a time (12,775 faults, 8 of 28 ms a step on
+# JAX, measured); with huge pages a fault brings 2 MB. JAX, measured one
+# process at a time: multi-hot 65,536 117 -> 62 ms, Criteo 16,384 52 -> 35 ms,
+# Criteo 1,024 2.05 -> 2.6 ms (the one loss seen). Tried and rejected: one
+# arena that keeps freed memory (MALLOC_ARENA_MAX=1 + high mmap/trim
+# thresholds): 68 ms at 65,536, but 2.05 -> 4.8 ms at Criteo 1,024 (every
+# thread on one arena's lock). The same setting for every peer.
+HOST_MALLOC = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 
 
 def tables_of(variant, rows_cap=None):
@@ -318,11 +320,11 @@ def serve(spec, budget_s):
 # -- the parent ------------------------------------------------------------------------
 
 
-def spawn(spec, budget_s, malloc="keep"):
+def spawn(spec, budget_s, malloc="hugepages"):
     framework = "jax" if spec["peer"] == "keras-jax" else spec["peer"].split("-")[0]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    if malloc == "keep":
-        env.update(KEEP_FREED_MEMORY)
+    if malloc == "hugepages":
+        env.update(HOST_MALLOC)
     if framework != "torch":
         env["KERAS_BACKEND"] = framework
     return subprocess.Popen(
@@ -510,9 +512,9 @@ def main():
     parser.add_argument("--rows-cap", type=int, help="cap every table at this many rows")
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--budget", type=float, help="seconds of steps per timing")
-    parser.add_argument("--malloc", choices=["keep", "default"], default="keep",
-                        help="glibc malloc settings of every peer: keep freed memory for "
-                             "reuse (KEEP_FREED_MEMORY) or glibc's defaults")
+    parser.add_argument("--malloc", choices=["hugepages", "default"], default="hugepages",
+                        help="glibc malloc setting of every peer: transparent huge pages "
+                             "(HOST_MALLOC) or glibc's defaults")
     parser.add_argument("--report", metavar="JSON",
                         help="re-print the tables and re-draw the plot of a saved run")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -565,7 +567,7 @@ def main():
             "versions": suite.versions(), "cpus": os.cpu_count(), "notes": notes,
             "settings": {"zipf_a": ZIPF_A, "bag": BAG, "rounds": rounds, "budget_s": budget,
                          "rows_cap": rows_cap, "batches": batches, "table_lr": TABLE_LR,
-                         "malloc": KEEP_FREED_MEMORY if args.malloc == "keep" else "default"},
+                         "malloc": HOST_MALLOC if args.malloc == "hugepages" else "default"},
             "results": results, "ratios": ratio_rows(results), "seconds": time.time() - start}
     out = suite.QUICK_RESULTS if args.quick else RESULTS
     out.mkdir(parents=True, exist_ok=True)
