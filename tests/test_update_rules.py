@@ -121,10 +121,19 @@ def workspace(size, fill=0):
                          else [False])
 @pytest.mark.parametrize("stale", [0, 7, -1])
 @pytest.mark.parametrize("num_rows", [50, 1000])  # fewer rows than ids, and more
-def test_backend_dedup_matches_numpy_unique_and_sum(stale, num_rows, xla):
+@pytest.mark.parametrize("compiled", [False, True] if keras.backend.backend() == "tensorflow"
+                         else [True])
+def test_backend_dedup_matches_numpy_unique_and_sum(stale, num_rows, xla, compiled,
+                                                    monkeypatch):
     """Also with a workspace holding stale positions of an earlier step, and
-    compiled by XLA (on TF, where its dynamic shapes once lost valid ids)."""
+    compiled by XLA (on TF, where its dynamic shapes once lost valid ids; and
+    TF's dedup of few ids, which runs op by op, forced to its compiled form)."""
     from sparseopt import backend
+
+    if keras.backend.backend() == "tensorflow" and compiled:
+        from sparseopt.backend import tensorflow as tf_backend
+
+        monkeypatch.setattr(tf_backend, "COMPILED_DEDUP_MIN_IDS", 1)
 
     rng = np.random.default_rng(9)
     ids = rng.integers(-3, 60, size=500).astype("int32")

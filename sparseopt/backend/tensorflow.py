@@ -68,11 +68,15 @@ def dedup(ids, grads, num_rows, workspace):
     space = workspace.value
     space.scatter_update(tf.IndexedSlices(tf.range(tf.size(ids, out_type=tf.int32)), at))
     representative = tf.gather(space, at)
-    if isinstance(grads, row_grads.BagGrads):  # expanded inside the compiled sum
-        uniq, summed, count = _dedup_bags(ids, representative, num_rows, grads.values,
-                                          grads.bag, grads.weight)
+    # Few ids: op by op (an XLA compilation per shape costs more than it saves).
+    few = ids.shape[0] is not None and ids.shape[0] < COMPILED_DEDUP_MIN_IDS
+    if isinstance(grads, row_grads.BagGrads):  # expanded inside the (compiled) sum
+        run = _dedup_bags.python_function if few else _dedup_bags
+        uniq, summed, count = run(ids, representative, num_rows, grads.values, grads.bag,
+                                  grads.weight)
     else:
-        uniq, summed, count = _dedup_rows(ids, representative, num_rows, grads)
+        run = _dedup_rows.python_function if few else _dedup_rows
+        uniq, summed, count = run(ids, representative, num_rows, grads)
     if compat.in_xla_context():
         # Inside an XLA cluster, slicing at a computed bound does not compile
         # (and boolean_mask returned wrong rows, TF 2.21); dynamic_partition
@@ -81,6 +85,10 @@ def dedup(ids, grads, num_rows, workspace):
         return (tf.dynamic_partition(uniq[:-1], first, 2)[1],
                 tf.dynamic_partition(summed, first, 2)[1], count)
     return uniq[:count], summed[:count], count
+
+
+# Dedups of fewer ids than this (known when traced) run op by op.
+COMPILED_DEDUP_MIN_IDS = 4096
 
 
 def _distinct(ids, representative, num_rows, rows):
