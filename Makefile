@@ -23,7 +23,8 @@ demo: $(STAMP)
 
 # `make test`: the whole suite on JAX and on TensorFlow. Tests marked
 # `backend_independent` (configuration round trips; child processes that pick
-# their own backend) run once, in the TensorFlow session, the shorter one.
+# their own backend) run once, in the TensorFlow session; those also marked
+# `jax_session` run once in the JAX session instead, to balance the two.
 # `make test-all`: the same with the thorough property tests (1000 Hypothesis
 # examples per backend instead of 200).
 PYTEST_ARGS ?=
@@ -51,7 +52,7 @@ test-jax: $(STAMP)
 test-tensorflow: $(STAMP)
 	mkdir -p .pytest_tmp
 	$(JAX_CACHE) KERAS_BACKEND=tensorflow $(BIN)/python -m pytest --basetemp=.pytest_tmp/tensorflow \
-		$(PYTEST_ARGS)
+		-m "not jax_session" $(PYTEST_ARGS)
 
 # The benchmark suite (docs/benchmarks.md): full run ~45 min + the production-shaped
 # grid (dlrm_step.py) ~40 min; quick ~5 min.
