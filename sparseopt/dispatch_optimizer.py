@@ -211,8 +211,8 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         with keras.name_scope(self.name, caller=self):
             # Table by table in the order found, grouped or not: the saved
             # state keeps its order whatever the grouping.
-            for trainer in self._trainers.values():
-                trainer.build(self, workspace=id(trainer) not in grouped)
+            for index, trainer in enumerate(self._trainers.values()):
+                trainer.build(self, workspace=id(trainer) not in grouped, index=index)
             for i, group in enumerate(groups):
                 group.build(self, f"table_group_{i}")
         # Each new probe sits right after its table, where the layer's

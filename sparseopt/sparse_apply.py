@@ -10,10 +10,11 @@ run on each shard, on the ids that shard owns.
 
 from keras import ops
 
-from sparseopt import backend, row_grads
+from sparseopt import backend, precision, row_grads
 
 
-def sparse_apply(updater, table, slots, ids, grads, learning_rate, step, workspace=None):
+def sparse_apply(updater, table, slots, ids, grads, learning_rate, step, workspace=None,
+                 rounding=None):
     """Updates the touched rows of `table` and its `slots` in place.
 
     Args:
@@ -29,27 +30,32 @@ def sparse_apply(updater, table, slots, ids, grads, learning_rate, step, workspa
         step: scalar int tensor, the 1-based update count.
         workspace: where `backend.WORKSPACE` is true, an int32 variable with
             at least `V` entries for the dedup (contents do not matter).
+        rounding: a `sparseopt.precision.Rounding`, how 16-bit rows and
+            state are written; defaults to stochastic rounding with seed 0.
 
     Returns:
         A boolean scalar tensor: whether the update was applied.
     """
+    rounding = rounding or precision.Rounding()
     shards = backend.row_shards(table)
     if shards is not None:
         return backend.on_row_shards(_apply, shards, updater, table, slots, ids, grads,
-                                     learning_rate, step, workspace)
-    return _apply(updater, table, slots, ids, grads, learning_rate, step, workspace)
+                                     learning_rate, step, workspace, rounding)
+    return _apply(updater, table, slots, ids, grads, learning_rate, step, workspace, rounding)
 
 
-def _apply(updater, table, slots, ids, grads, learning_rate, step, workspace):
+def _apply(updater, table, slots, ids, grads, learning_rate, step, workspace, rounding):
     grads = row_grads.as_float32(grads)
     uniq, summed, count = backend.dedup(ids, grads, table.shape[0], workspace)
     # A non-finite gradient skips the whole table for this step.
     finite = row_grads.all_finite(grads)
-    _update_distinct(updater, table, slots, uniq, summed, count, finite, learning_rate, step)
+    _update_distinct(updater, table, slots, uniq, summed, count, finite, learning_rate, step,
+                     rounding)
     return finite
 
 
-def sparse_apply_group(updater, members, learning_rate, step, workspace=None):
+def sparse_apply_group(updater, members, learning_rate, step, workspace=None,
+                       roundings=None):
     """Updates several tables that share one updater configuration, in one dedup.
 
     The ids of every table are shifted into one id space (table `t`'s rows
@@ -67,6 +73,8 @@ def sparse_apply_group(updater, members, learning_rate, step, workspace=None):
         step: scalar int tensor, the 1-based update count.
         workspace: where `backend.WORKSPACE` is true, an int32 variable with
             at least as many entries as the members have rows together.
+        roundings: one `sparseopt.precision.Rounding` per member, or None
+            for the default.
 
     Returns:
         A list of boolean scalar tensors: whether each member's update was applied.
@@ -95,8 +103,9 @@ def sparse_apply_group(updater, members, learning_rate, step, workspace=None):
     sizes = [table.shape[0] if ids.shape[0] is None else min(ids.shape[0], table.shape[0])
              for table, _, ids, _ in members]  # static bounds (JAX slices by them)
     parts = backend.split_by_table(uniq, summed, offsets + [total], sizes)
-    for (table, slots, _, _), part, ok in zip(members, parts, finite):
-        _update_distinct(updater, table, slots, *part, ok, learning_rate, step)
+    roundings = roundings or [precision.Rounding()] * len(members)
+    for (table, slots, _, _), part, ok, rounding in zip(members, parts, finite, roundings):
+        _update_distinct(updater, table, slots, *part, ok, learning_rate, step, rounding)
     return finite
 
 
@@ -111,11 +120,14 @@ def as_computed(values):
 MAX_GROUP_ROWS = 2**30
 
 
-def _update_distinct(updater, table, slots, uniq, summed, count, finite, learning_rate, step):
+def _update_distinct(updater, table, slots, uniq, summed, count, finite, learning_rate, step,
+                     rounding):
     """Gather, rule and scatter on `dedup`'s distinct ids (skipped where not `finite`)."""
     if backend.fused_apply(updater, table, slots, uniq, summed, learning_rate, finite):
         return
     names = sorted(slots)
+    # Each slot's stochastic rounding bits follow its place in `updater.slots`.
+    index = {spec.name: i + 1 for i, spec in enumerate(updater.slots)}
 
     def update(variables, uniq, summed):
         table, state_vars = variables[0], dict(zip(names, variables[1:]))
@@ -129,9 +141,11 @@ def _update_distinct(updater, table, slots, uniq, summed, count, finite, learnin
         new_rows = ops.where(finite, new_rows, rows)
         new_state = {n: ops.where(finite, new_state[n], state[n]) for n in names}
         new_rows, new_state = backend.materialize((new_rows, new_state))
-        backend.scatter(table, uniq, new_rows)
+        # 16-bit variables: rounded here (stochastically unless turned off).
+        backend.scatter(table, uniq, rounding.stored(new_rows, table.dtype, step, uniq))
         for n, var in state_vars.items():
-            backend.scatter(var, uniq, new_state[n])
+            backend.scatter(var, uniq, rounding.stored(new_state[n], var.dtype, step, uniq,
+                                                       index[n]))
 
     # Only the step's distinct rows: work follows them, not the batch.
     backend.for_distinct_rows(update, [table] + [slots[n] for n in names], uniq, summed, count)

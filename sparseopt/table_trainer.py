@@ -13,7 +13,7 @@ import json
 import keras
 from keras import ops
 
-from sparseopt import backend, compat, row_grads, updaters
+from sparseopt import backend, compat, precision, row_grads, updaters
 from sparseopt.distribution import layout_like
 from sparseopt.sparse_apply import MAX_GROUP_ROWS, as_computed, sparse_apply, sparse_apply_group
 
@@ -52,26 +52,31 @@ class TableTrainer:
         self.slots = {}  # slot name -> Keras variable, laid out like the table
         self.skipped = None  # int32 scalar: steps skipped for non-finite gradients
         self.workspace = None  # int32 [V (+1 on TF)] dedup scratch, never saved
+        self.rounding = None  # how 16-bit values are written (set by `build`)
 
     @property
     def name(self):
         """The table's path."""
         return self.table.path
 
-    def build(self, optimizer, workspace=True):
+    def build(self, optimizer, workspace=True, index=0):
         """Creates the state with `optimizer.add_variable`, named after the table.
 
         Args:
             optimizer: the optimizer that owns the variables.
             workspace: whether to create the table's own dedup workspace;
                 a table updated by a `TableGroup` uses the group's.
+            index: the table's position among the optimizer's tables (its
+                stochastic rounding draws its own bits).
         """
         table, prefix = self.table, self.table.path.replace("/", "_")
+        self.rounding = precision.Rounding(self.updater.stochastic_rounding,
+                                           self.updater.rounding_seed, index)
         for spec in self.updater.slots:
             shape = spec.shape(table.shape)
             self.slots[spec.name] = optimizer.add_variable(
                 shape=shape, initializer=_Filled(spec.initial_value),
-                dtype=spec.dtype or table.dtype,
+                dtype=spec.dtype or self.updater.state_dtype,
                 # Sharded like the table, so that updates stay local.
                 layout=layout_like(table, len(shape)), name=f"{prefix}_{spec.name}")
         self.skipped = optimizer.add_variable(
@@ -110,7 +115,7 @@ class TableTrainer:
         applied = sparse_apply(
             self.updater, self.table, self.slots, ids, grads,
             self.updater.learning_rate_at(iteration), iteration + 1,
-            workspace=self.workspace)
+            workspace=self.workspace, rounding=self.rounding)
         self.skipped.assign_add(1 - ops.cast(applied, "int32"))
 
     def catch_up(self, steps_done):
@@ -128,9 +133,15 @@ class TableTrainer:
         if not self.updater.tracks_rows:
             return
         rows, state = self._caught_up(steps_done)
-        self.table.assign(ops.cast(rows, self.table.dtype))
-        for n, value in state.items():
-            self.slots[n].assign(ops.cast(value, self.slots[n].dtype))
+        self._write_whole(self.table, rows, steps_done, 0)
+        for i, spec in enumerate(self.updater.slots):
+            self._write_whole(self.slots[spec.name], state[spec.name], steps_done, i + 1)
+
+    def _write_whole(self, variable, values, step, variable_index):
+        """Assigns every row, rounded as the step's writes are."""
+        ids = ops.arange(variable.shape[0], dtype="int32")
+        stored = self.rounding.stored(values, variable.dtype, step, ids, variable_index)
+        variable.assign(ops.cast(stored, variable.dtype))
 
     def _caught_up(self, steps_done):
         """`(rows, state)` of the whole table brought up to `steps_done`, not assigned."""
@@ -149,8 +160,8 @@ class TableTrainer:
         `fit`); the average stays what it was."""
         self.catch_up(steps_done)
         offset = self.slots[updaters.catch_up.EMA_OFFSET_SLOT]
-        self.table.assign(ops.cast(ops.cast(self.table.value, "float32")
-                                   + ops.cast(offset.value, "float32"), self.table.dtype))
+        self._write_whole(self.table, ops.cast(self.table.value, "float32")
+                          + ops.cast(offset.value, "float32"), steps_done, 0)
         offset.assign(ops.zeros(offset.shape, offset.dtype))
 
     def skipped_steps(self):
@@ -236,7 +247,7 @@ class TableGroup:
         members = [(t.table, t.slots, ids, grads) for t, ids, grads in rows]
         applied = sparse_apply_group(
             self.updater, members, self.updater.learning_rate_at(iteration), iteration + 1,
-            workspace=self.workspace)
+            workspace=self.workspace, roundings=[t.rounding for t, _, _ in rows])
         for (trainer, _, _), ok in zip(rows, applied):
             trainer.skipped.assign_add(1 - ops.cast(ok, "int32"))
 

@@ -13,11 +13,12 @@ def dot_loss(y_true, y_pred):
     return ops.sum(ops.reshape(y_true * y_pred, (ops.shape(y_pred)[0], -1)), axis=-1)
 
 
-def table_model(vocab, width, n_ids, updater, combiner=None, name="emb", init=None):
+def table_model(vocab, width, n_ids, updater, combiner=None, name="emb", init=None,
+                dtype=None):
     ids = keras.Input((n_ids,), dtype="int32")
     emb = sparseopt.layers.SparseEmbedding(
         vocab, width, updater=updater, combiner=combiner, name=name,
-        embeddings_initializer=init or "uniform")
+        embeddings_initializer=init or "uniform", dtype=dtype)
     return keras.Model(ids, emb(ids)), emb
 
 
@@ -68,20 +69,26 @@ def registered_cases(paths_only=False):
     return out
 
 
-def numpy_replay(name, cfg, table0, xs, ys, lr_fn, final_catch_up=True):
+def numpy_replay(name, cfg, table0, xs, ys, lr_fn, final_catch_up=True, stored=None):
     """Replays `dot_loss` training with the NumPy reference rules (as `fit`
     does: ending with the catch-up of `lazy=False` updaters and the moving average
-    of `ema_momentum` ones)."""
+    of `ema_momentum` ones).
+
+    `stored(table, step)`: the table as a 16-bit variable stores it after `step`
+    (rows that did not change are stored unchanged)."""
     from tests import reference
     table = np.asarray(table0, np.float64)
     state = reference.initial_state(name, table.shape, cfg)
+    stored = stored or (lambda table, step: table)
     for t, (x, y) in enumerate(zip(xs, ys)):
         grads = y.astype(np.float64) / x.shape[0]
         table, state = reference.sparse_step(name, table, state, x, grads, lr_fn(t), cfg,
                                              step=t + 1)
+        table = stored(table, t + 1)
     if final_catch_up:  # `fit` ends with `finalize_variable_values`
         table, state = reference.finalize(name, table, state, lr_fn(len(xs) - 1), cfg,
                                           len(xs))
+        table = stored(table, len(xs))
     return table, state
 
 

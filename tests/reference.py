@@ -227,3 +227,50 @@ def finalize(name, table, state, lr, cfg, steps_done):
         table = table + state["ema_offset"] * cfg["ema_momentum"] ** missed[:, None]
         own["ema_offset"] = np.zeros_like(state["ema_offset"])
     return table, own
+
+
+# -- 16-bit storage (docs/semantics.md, "Precision") --------------------------
+
+def _fmix32(x):
+    x = np.asarray(x, np.uint64) & 0xFFFFFFFF
+    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & 0xFFFFFFFF
+    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def rounding_bits(seed, table_index, variable_index, step, rows, width):
+    """uint32 `[len(rows), width]`: the documented hash of (seed, stream, step, row, column)."""
+    key = _fmix32(_fmix32(seed + 0x9E3779B9) ^ ((table_index << 8) | variable_index))
+    per_row = _fmix32(_fmix32(key ^ np.uint64(step)) ^ np.asarray(rows, np.uint64))
+    column = (np.arange(width, dtype=np.uint64) * 0x9E3779B9) & 0xFFFFFFFF
+    return _fmix32(per_row[:, None] + column[None, :]).astype(np.uint32)
+
+
+def half_neighbours(x, dtype):
+    """The two `dtype` values around float64 `x`: toward zero, then away from it."""
+    import ml_dtypes
+
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+    x = np.asarray(x, np.float64)
+    near = x.astype(np_dtype)
+    toward = np.where(np.abs(near.astype(np.float64)) > np.abs(x),
+                      np.nextafter(near, np_dtype(0)), near)
+    with np.errstate(over="ignore"):  # the largest value's neighbour away is inf
+        away = np.nextafter(toward, np.copysign(np.inf, x).astype(np_dtype))
+    return toward.astype(np.float64), away.astype(np.float64)
+
+
+def stochastic_round(x, dtype, bits):
+    """float32 `x` written to `dtype`: saturated, then rounded away from zero with
+    probability (|x| - |toward|) / spacing, the draw taken from `bits`' top bits."""
+    largest = {"bfloat16": 3.3895313892515355e38, "float16": 65504.0}[dtype]
+    x = np.clip(np.asarray(x, np.float32).astype(np.float64), -largest, largest)
+    toward, away = half_neighbours(x, dtype)
+    fraction = np.abs(x - toward) / np.abs(away - toward)
+    bits = np.asarray(bits, np.uint64)
+    if dtype == "bfloat16":  # 16 random bits added to the 16 discarded ones: carry or not
+        up = (bits >> 16) / 2.0**16 + fraction >= 1.0
+    else:  # 13 bits in float16's normal range; below it a 24-bit draw in [0, 1)
+        up = np.where(np.abs(x) >= 2.0**-14, (bits >> 19) / 2.0**13 + fraction >= 1.0,
+                      (bits >> 8) / 2.0**24 < fraction)
+    return np.where(up & (fraction > 0), away, toward)

@@ -1,6 +1,7 @@
 """Each updater, trained through `fit`, equals the NumPy reference of its formula."""
 
 import keras
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -36,8 +37,8 @@ def slot_values(optimizer, table):
     return {k: to_np(v) for k, v in optimizer.table_state(table).items()}
 
 
-def train(updater, xs, ys, **compile_kwargs):
-    model, emb = table_model(VOCAB, WIDTH, N_IDS, updater)
+def train(updater, xs, ys, dtype=None, **compile_kwargs):
+    model, emb = table_model(VOCAB, WIDTH, N_IDS, updater, dtype=dtype)
     table0 = to_np(emb.embeddings)
     model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)),
                   loss=dot_loss, **compile_kwargs)
@@ -60,6 +61,46 @@ def test_updater_matches_numpy_reference(case):
     assert sorted(got_state) == sorted(want_state)
     for k in want_state:
         np.testing.assert_allclose(got_state[k], want_state[k], rtol=2e-5, atol=2e-6)
+
+
+# Every registered configuration, and each option set on one updater (the options
+# act on float32 rows whatever the table's dtype; the write is what differs).
+BF16_CASES = sorted(registered_cases()) + ["SGD:default+l2", "Adam:default+decoupled"]
+
+
+@pytest.mark.parametrize("case", BF16_CASES)
+def test_updater_matches_numpy_reference_in_bfloat16(case):
+    """A bfloat16 table, float32 state: the reference rule, then the documented
+    stochastic rounding of every row after each step (the same bits)."""
+    from tests import reference
+
+    name, cfg = CASES[case]
+    rng = np.random.default_rng(1)
+    xs, ys = batches(rng, 20, BATCH, N_IDS, VOCAB, WIDTH, dup_vocab=120)
+    ys = ys.astype(ml_dtypes.bfloat16).astype(np.float32)  # the cotangents are bfloat16
+    updater = getattr(sparseopt.updaters, name)(learning_rate=0.05, **cfg)
+    model, emb, table0 = train(updater, xs, ys, dtype="bfloat16")
+    assert emb.embeddings.dtype == "bfloat16"
+
+    def stored(table, step):
+        bits = reference.rounding_bits(0, 0, 0, step, np.arange(VOCAB), WIDTH)
+        return reference.stochastic_round(table, "bfloat16", bits)
+
+    want_table, want_state = numpy_replay(name, cfg, table0, xs, ys, lambda t: 0.05,
+                                          stored=stored)
+    got = to_np(emb.embeddings)
+    # float32 arithmetic here, float64 there: a value within float32 rounding
+    # of a rounding threshold can land on the other neighbour (one bfloat16
+    # step), rarely; the rows may then drift apart by a step or two.
+    spacing = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(want_table), 2.0**-126))) - 7)
+    assert np.all(np.abs(got - want_table) <= 2 * spacing), case
+    assert np.mean(got == want_table) > 0.98, case
+    got_state = slot_values(model.optimizer, emb.embeddings)
+    assert sorted(got_state) == sorted(want_state)
+    for k in want_state:
+        assert model.optimizer.table_state(emb.embeddings)[k].dtype in ("float32", "int32")
+        np.testing.assert_allclose(got_state[k], want_state[k], rtol=1e-3, atol=1e-5,
+                                   err_msg=k)
 
 
 @pytest.mark.backend_independent

@@ -24,6 +24,8 @@ Each backend module provides:
   rows (the last id axis), in `dtype`.
 - `gather(value, ids)` / `scatter(variable, ids, rows)`: read and write
   touched rows in place.
+- `bitcast(values, dtype)`: the same bits as another 32-bit dtype (float32
+  and uint32, for stochastic rounding).
 - `fill_in_blocks(make_block, shape, dtype, block_rows)`: a large array
   built block by block in place (`None` where the backend cannot).
 - `outside_trace()`: a context that runs its block outside any trace, even
@@ -50,14 +52,14 @@ import keras
 
 if keras.backend.backend() == "jax":
     from sparseopt.backend.jax import (  # noqa: F401
-        PROBE_IS_WEIGHT, SPARSE_GRADIENTS, WORKSPACE, WORKSPACE_SINK, dedup, fill_in_blocks,
-        for_distinct_rows, fused_apply, gather, materialize, split_by_table,
+        PROBE_IS_WEIGHT, SPARSE_GRADIENTS, WORKSPACE, WORKSPACE_SINK, bitcast, dedup,
+        fill_in_blocks, for_distinct_rows, fused_apply, gather, materialize, split_by_table,
         gather_from_resource, gradient_slices, has_int64, on_row_shards, outside_trace,
         read_pooled, read_rows, replicas_running_alone, row_shards, scatter, tap, trace_token)
 elif keras.backend.backend() == "tensorflow":
     from sparseopt.backend.tensorflow import (  # noqa: F401
-        PROBE_IS_WEIGHT, SPARSE_GRADIENTS, WORKSPACE, WORKSPACE_SINK, dedup, fill_in_blocks,
-        for_distinct_rows, fused_apply, gather, materialize, split_by_table,
+        PROBE_IS_WEIGHT, SPARSE_GRADIENTS, WORKSPACE, WORKSPACE_SINK, bitcast, dedup,
+        fill_in_blocks, for_distinct_rows, fused_apply, gather, materialize, split_by_table,
         gather_from_resource, gradient_slices, has_int64, on_row_shards, outside_trace,
         read_pooled, read_rows, replicas_running_alone, row_shards, scatter, tap, trace_token)
 else:

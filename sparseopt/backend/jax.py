@@ -252,6 +252,10 @@ def gather(value, ids):
     return jnp.take(value, ids, axis=0, mode="clip")
 
 
+def bitcast(values, dtype):
+    return jax.lax.bitcast_convert_type(values, dtype)
+
+
 def scatter(variable, ids, rows):
     value = variable.value
     unique = _distinct_padding(value.shape[0], ids.shape[0])
@@ -311,13 +315,14 @@ class _Shard:
 
 
 def on_row_shards(apply, shards, updater, table, slots, ids, grads, learning_rate, step,
-                  workspace):
+                  workspace, rounding):
     """Runs `apply` on each row shard of `table`, with the ids that shard owns.
 
     Every shard receives all of the step's `(ids, grads)` (one all-gather of
     the batch's rows, never of a table), keeps the ids in its own row range
     as local row numbers, and updates its blocks of the table, its state and
     its dedup workspace in place. Ids no shard owns (invalid) are dropped.
+    Stochastic rounding keys its bits by global row (`rounding.at_offset`).
     """
     mesh, axis = shards
     rows = table.shape[0] // mesh.shape[axis]
@@ -330,7 +335,7 @@ def on_row_shards(apply, shards, updater, table, slots, ids, grads, learning_rat
         block, space = _Shard(block), _Shard(space)
         state = {name: _Shard(v) for name, v in zip(names, state)}
         applied = apply(updater, block, state, jnp.where(mine, ids - start, -1), grads,
-                        learning_rate, step, space)
+                        learning_rate, step, space, rounding.at_offset(start))
         return block.value, [state[n].value for n in names], space.value, applied
 
     split, whole = jax.sharding.PartitionSpec(axis), jax.sharding.PartitionSpec()

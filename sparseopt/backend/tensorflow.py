@@ -234,6 +234,10 @@ def gather(value, ids):
     return tf.gather(value, ids)
 
 
+def bitcast(values, dtype):
+    return tf.bitcast(values, dtype)
+
+
 def scatter(variable, ids, rows):
     var = variable.value
     var.scatter_update(tf.IndexedSlices(tf.cast(rows, var.dtype), ids))
@@ -252,14 +256,17 @@ def fused_apply(updater, table, slots, ids, grads, learning_rate, finite):
         finite: boolean scalar; the kernel runs only when it is true.
 
     Returns:
-        `False` when no kernel computes exactly the updater's rule, or inside
+        `False` when no kernel computes exactly the updater's rule, when the
+        table or its state is not float32, or inside
         an XLA cluster (`jit_compile=True`), where TF has no sparse-apply
         kernels; the caller then applies the rule itself.
     """
     if compat.in_xla_context():
         return False
     kernel = tensorflow_kernels.kernel_for(updater)
-    if kernel is None:
+    if kernel is None or any(v.dtype != "float32" for v in [table, *slots.values()]):
+        # 16-bit tables and state are rounded by sparseopt (`precision`), not
+        # to nearest by the kernel.
         return False
     var = table.value
     handles = {name: slot.value.handle for name, slot in slots.items()}

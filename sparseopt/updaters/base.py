@@ -22,10 +22,13 @@ import numbers
 import keras
 from keras import ops
 
+from sparseopt import precision
 from sparseopt.updaters import catch_up
 from sparseopt.updaters.transforms import check_options, chain, transforms_from, value_at
 
 _REGISTRY = {}
+# How a table's values and state are stored (Updater's arguments) by default.
+STORAGE_DEFAULTS = {"state_dtype": "float32", "stochastic_rounding": True, "rounding_seed": 0}
 
 
 def registry(shipped_only=False):
@@ -51,13 +54,14 @@ class SlotSpec:
         rowwise: `True` for one scalar per row (shape `[V]`), `False` for
             the table's own shape `[V, D]`.
         initial_value: constant the slot starts at.
-        dtype: the slot's dtype; `None` (the default) for the table's.
+        dtype: the slot's dtype; `None` (the default) for the updater's
+            `state_dtype` (float32 unless set).
     """
 
     name: str
     rowwise: bool = False
     initial_value: float = 0.0
-    dtype: str = None  # None: the table's dtype
+    dtype: str = None  # None: the updater's state_dtype
 
     def shape(self, table_shape):
         return (table_shape[0],) if self.rowwise else tuple(table_shape)
@@ -103,6 +107,18 @@ class Updater:
         ema_momentum: `None` (default), or keep an exponential moving average
             of each row as Keras' `use_ema=True` does (`m` in `[0, 1)`), at
             sparse cost; at the end of `fit` the table takes its average.
+        state_dtype: the dtype of the float state slots: `"float32"`
+            (default, whatever the table's dtype), `"bfloat16"` or
+            `"float16"` (half the state memory; small state increments are
+            then rounded like a 16-bit table's rows). Rules always compute
+            in float32.
+        stochastic_rounding: for 16-bit tables and state: `True` (default)
+            rounds each written value up or down at random so that its
+            expectation is the float32 value (`sparseopt.precision`); `False`
+            rounds to nearest, which loses updates smaller than half a
+            16-bit step. No effect on float32 variables.
+        rounding_seed: int seed of the stochastic rounding's bits (same
+            seed, same result, on either backend and any sharding).
         **options: the options above.
     """
 
@@ -157,7 +173,8 @@ class Updater:
         """
         raise NotImplementedError(cls.__name__)
 
-    def __init__(self, learning_rate, name=None, lazy=True, ema_momentum=None, **options):
+    def __init__(self, learning_rate, name=None, lazy=True, ema_momentum=None,
+                 state_dtype="float32", stochastic_rounding=True, rounding_seed=0, **options):
         if isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule):
             self.learning_rate = learning_rate
         elif isinstance(learning_rate, (int, float)) and not isinstance(learning_rate, bool):
@@ -184,6 +201,17 @@ class Updater:
             raise ValueError(f"{type(self).__name__}: `ema_momentum` must be a number in "
                              f"[0, 1), got {ema_momentum!r}.")
         self.ema_momentum = None if ema_momentum is None else float(ema_momentum)
+        owner = type(self).__name__
+        self.state_dtype = precision.check_dtype(owner, "state_dtype", state_dtype)
+        if not isinstance(stochastic_rounding, bool):
+            raise TypeError(f"{owner}: `stochastic_rounding` must be True or False, got "
+                            f"{stochastic_rounding!r}.")
+        self.stochastic_rounding = stochastic_rounding
+        if isinstance(rounding_seed, bool) or not isinstance(rounding_seed, numbers.Integral) \
+                or not 0 <= rounding_seed < 2**32:
+            raise ValueError(f"{owner}: `rounding_seed` must be an int in [0, 2**32), got "
+                             f"{rounding_seed!r}.")
+        self.rounding_seed = int(rounding_seed)
 
     def hyperparameter(self, name, value, check=None, rule=""):
         """Sets the rule hyperparameter `name`: a float, or a schedule of the step.
@@ -310,6 +338,10 @@ class Updater:
             options["lazy"] = False
         if self.ema_momentum is not None:
             options["ema_momentum"] = self.ema_momentum
+        # Storage settings, where not the defaults (older configs load unchanged).
+        for key, default in STORAGE_DEFAULTS.items():
+            if getattr(self, key) != default:
+                options[key] = getattr(self, key)
         return {"learning_rate": _serialized(self.learning_rate), "name": self.name, **options}
 
     @classmethod

@@ -1,5 +1,7 @@
 """A small two-table recommender trained in its own process (resume and crash tests).
 
+The user table is bfloat16 (stochastically rounded).
+
 Usage: python -m tests.jobs.train_job MODE DIR [--callback keras|sparseopt]
 
 Modes:
@@ -49,8 +51,9 @@ def build_model():
     user_ids = keras.Input((6,), dtype="int32", name="user_ids")
     item_ids = keras.Input((3,), dtype="int32", name="item_ids")
     dense_in = keras.Input((4,), name="dense")
+    # A bfloat16 table: stochastic rounding must resume bit for bit too.
     user = sparseopt.layers.SparseEmbedding(
-        500, 8, combiner="mean", name="user",
+        500, 8, combiner="mean", name="user", dtype="bfloat16",
         updater=sparseopt.updaters.Adagrad(
             keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)))
     item = sparseopt.layers.SparseEmbedding(
@@ -77,11 +80,17 @@ def data():
 
 
 def state(model):
-    """Every model weight and every optimizer state variable, by path."""
-    out = {f"weight:{v.path}": keras.ops.convert_to_numpy(v) for v in model.weights}
+    """Every model weight and every optimizer state variable, by path (16-bit
+    floats as their bits)."""
+    out = {f"weight:{v.path}": _bits(v) for v in model.weights}
     for i, v in enumerate(model.optimizer.state_variables()):
-        out[f"optimizer:{i}:{v.path}"] = keras.ops.convert_to_numpy(v)
+        out[f"optimizer:{i}:{v.path}"] = _bits(v)
     return out
+
+
+def _bits(variable):
+    value = keras.ops.convert_to_numpy(variable)
+    return value.view(np.uint16) if variable.dtype in ("bfloat16", "float16") else value
 
 
 class Progress(keras.callbacks.Callback):
