@@ -71,6 +71,16 @@ def test_sharded_training_equals_one_device(runs, layout):
 
 
 @pytest.mark.parametrize("layout", SHARDED)
+def test_bfloat16_tables_round_as_on_one_device_bit_for_bit(runs, layout):
+    """Stochastic rounding draws its bits by global row: each shard writes what
+    one device writes."""
+    got, want = _load(runs, f"{layout}_bfloat16"), _load(runs, "single_bfloat16")
+    assert np.mean(want["accumulator"] != np.float32(0.1)) > 0.5  # most rows trained
+    for key in ("table", "accumulator"):
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+@pytest.mark.parametrize("layout", SHARDED)
 def test_rows_no_batch_touched_stay_bit_for_bit(runs, job, layout):
     x, _ = job.data()
     init = np.load(os.path.join(runs, "init.npz"))

@@ -310,6 +310,10 @@ class _Shard:
     def shape(self):
         return self.value.shape
 
+    @property
+    def dtype(self):
+        return self.value.dtype
+
     def assign(self, value):
         self.value = value
 

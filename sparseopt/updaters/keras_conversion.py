@@ -15,7 +15,7 @@ import keras
 
 from sparseopt import compat
 from sparseopt.updaters.adagrad_momentum import AdagradMomentum
-from sparseopt.updaters.base import registry
+from sparseopt.updaters.base import STORAGE_DEFAULTS, registry
 from sparseopt.updaters.frequency_aware_adagrad import FrequencyAwareAdagrad
 from sparseopt.updaters.laprop import LaProp
 
@@ -108,6 +108,13 @@ def to_keras_optimizer(updater):
             "no Keras optimizer equivalent (Keras schedules the learning rate only); use "
             "constants to convert it.")
     optimizer = updater.to_keras()  # first: "has no Keras optimizer" says the most
+    storage = _storage_settings(updater)
+    if storage:
+        raise ValueError(
+            f"sparseopt: {type(updater).__name__} storage settings {storage} have no Keras "
+            "optimizer equivalent (Keras keeps state in the variable's dtype and rounds to "
+            "nearest; a Keras optimizer on a keras-rs table converts back with the defaults: "
+            "float32 state, stochastic rounding, seed 0); remove them to convert it.")
     others = sorted(k for k, v in updater.options.items()
                     if k not in _CARRIED_OVER or not isinstance(v, float))
     if others:
@@ -127,6 +134,12 @@ def to_keras_optimizer(updater):
     if extra:
         optimizer = type(optimizer).from_config({**optimizer.get_config(), **extra})
     return optimizer
+
+
+def _storage_settings(updater):
+    """`["state_dtype='bfloat16'", ...]`: the storage settings not at their defaults."""
+    return [f"{k}={getattr(updater, k)!r}" for k, default in STORAGE_DEFAULTS.items()
+            if getattr(updater, k) != default]
 
 
 def _learning_rate(value, where):
@@ -176,6 +189,12 @@ def to_sparsecore_spec(updater):
     extras = sorted(updater.options) + updater.scheduled + (
         ["lazy=False"] if not updater.lazy else []) + (
         ["ema_momentum"] if updater.ema_momentum is not None else [])
+    storage = _storage_settings(updater)
+    if storage:
+        raise ValueError(
+            f"sparseopt: {type(updater).__name__} storage settings {storage}: SparseCore "
+            "stores tables and optimizer state in float32 only (nothing to round); remove "
+            "them to convert it.")
     if extras:
         raise ValueError(
             f"sparseopt: {type(updater).__name__} settings {extras} have no SparseCore "

@@ -15,6 +15,7 @@ batches, in this one process, and leaves in OUT_DIR:
 
 - `<layout>.npz`: every model weight and every optimizer state variable
   after training (and `init.npz`: the initial weights);
+- `<layout>_bfloat16.npz`: a bfloat16 table trained alone (`run_bfloat16`);
 - `<layout>.json`: where the tables and their state live (bytes per device,
   shard shapes), the compiled step's collectives and memory, the dropped-id
   counts, and the collectives of the same step with 8x larger tables.
@@ -122,10 +123,12 @@ def this_process(array):
 
 
 def to_numpy(value):
-    """A whole array, also where other processes hold some of its shards."""
+    """A whole array, also where other processes hold some of its shards (16-bit
+    floats as float32, exactly)."""
     if jax.process_count() > 1:
-        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
-    return np.asarray(value)
+        value = multihost_utils.process_allgather(value, tiled=True)
+    value = np.asarray(value)
+    return value.astype(np.float32) if value.dtype.itemsize == 2 else value
 
 
 def everything(model):
@@ -204,6 +207,36 @@ def run(layout, out, x, y, init):
         json.dump(report, f)
 
 
+def run_bfloat16(layout, out):
+    """A bfloat16 table alone (stochastic rounding), trained on fixed row gradients.
+
+    The loss is `sum(y * rows)`: the row gradients are `y` exactly under every
+    layout, so rounding bits keyed by global row must give one device's
+    result bit for bit (in the four-table model, float rounding of the dense
+    part would move a rounding threshold now and then).
+    """
+    keras.backend.clear_session()
+    keras.distribution.set_distribution(distribution(layout))
+    keras.utils.set_random_seed(3)
+    rows, width, n_ids = 1024, 8, 4
+    ids_in = keras.Input((n_ids,), dtype="int32")
+    emb = sparseopt.layers.SparseEmbedding(rows, width, sparseopt.updaters.Adagrad(0.1),
+                                           name="half", dtype="bfloat16")
+    model = keras.Model(ids_in, emb(ids_in))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()),
+                  loss=lambda y, p: keras.ops.sum(y * keras.ops.cast(p, "float32"), axis=(1, 2)))
+    rng = np.random.default_rng(5)
+    x = rng.integers(-1, rows + 1, (BATCH * STEPS, n_ids)).astype("int32")  # some invalid
+    y = rng.normal(size=(BATCH * STEPS, n_ids, width)).astype("float32")
+    model.fit(this_process(x), this_process(y), batch_size=BATCH // jax.process_count(),
+              shuffle=False, verbose=0)
+    saved = {"table": to_numpy(emb.embeddings.value),
+             "accumulator": to_numpy(model.optimizer.table_state(
+                 emb.embeddings)["accumulator"].value)}
+    if jax.process_index() == 0:
+        np.savez(os.path.join(out, f"{layout}_bfloat16.npz"), **saved)
+
+
 def resume(layout, out, x, y, init):
     """Half the steps, a checkpoint, a new model restored from it, the other half.
 
@@ -258,6 +291,7 @@ def main():
         np.savez(os.path.join(args.out, "init.npz"), *init)
     for layout in args.layouts:
         run(layout, args.out, x, y, init)
+        run_bfloat16(layout, args.out)
         print("done", layout, flush=True)
 
 

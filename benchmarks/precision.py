@@ -1,0 +1,210 @@
+"""16-bit tables: the demo DLRM in float32, bfloat16 rounded to nearest, and bfloat16
+with stochastic rounding, side by side in one run.
+
+    python benchmarks/precision.py --quick   # 600k examples: ~2 min a backend
+    python benchmarks/precision.py           # the demo's 2.4M examples: ~5 min a backend
+
+Each variant trains the demo's model (examples/dlrm_synthetic.py: 26 tables,
+4 to 1,000,000 rows, width 16; row-wise Adagrad, Adagrad and FTRL tables;
+Adam for the dense layers) from the same initial weights on the same one pass
+of synthetic clicks, with the validation loss and AUC after each chunk.
+Variants:
+
+- `float32`: the demo as it is;
+- `bfloat16, nearest`: bfloat16 tables, float32 state, rounded to nearest
+  (`stochastic_rounding=False`);
+- `bfloat16, stochastic`: bfloat16 tables, float32 state, stochastic
+  rounding (the default for 16-bit tables);
+- `bfloat16, bf16 state, stochastic`: state in bfloat16 too.
+
+Then the step time of each variant, timed round-robin on the same batches
+(alternating variants, so the machine's drift hits all alike), the bytes of
+tables and optimizer state, and the bytes per row of every updater at each
+precision (measured from built variables). Prints the tables, writes
+benchmarks/results/precision_<backend>[_quick].json and the plot
+precision_<backend>[_quick].png.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+HERE = pathlib.Path(__file__).parent
+sys.path.insert(0, str(HERE.parent / "examples"))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import sparseopt  # noqa: E402
+from dlrm_common import (  # noqa: E402
+    TABLE_SIZES, VALIDATION_EXAMPLES, build_dlrm, split_at, synthetic_clicks)
+
+RESULTS = HERE / "results"
+VARIANTS = {
+    "float32": (None, {}),
+    "bfloat16, nearest": ("bfloat16", {"stochastic_rounding": False}),
+    "bfloat16, stochastic": ("bfloat16", {}),
+    "bfloat16, bf16 state, stochastic": ("bfloat16", {"state_dtype": "bfloat16"}),
+}
+WIDTH, BATCH = 16, 1024
+
+
+def variables_bytes(variables):
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
+
+
+def build(name, init=None):
+    keras.utils.set_random_seed(0)
+    table_dtype, storage = VARIANTS[name]
+    model = build_dlrm(TABLE_SIZES, WIDTH, sparse=True, table_dtype=table_dtype,
+                       storage=storage)
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam(1e-3)),
+                  loss="binary_crossentropy", metrics=[keras.metrics.AUC(name="auc")])
+    if init is not None:  # the float32 model's initial weights, stored as each variant stores
+        for v, value in zip(model.weights, init):
+            v.assign(value)
+    return model
+
+
+def memory(model):
+    tables = [layer.embeddings for layer in model.layers
+              if isinstance(layer, sparseopt.layers.SparseEmbedding)]
+    state = [v for t in tables for v in model.optimizer.table_state(t).values()]
+    return {"table_bytes": variables_bytes(tables), "state_bytes": variables_bytes(state)}
+
+
+def bytes_per_row(width=WIDTH):
+    """`{updater: {precision: bytes of a row and its state}}`, from built variables."""
+    precisions = {"float32": (None, {}), "bfloat16 table": ("bfloat16", {}),
+                  "bfloat16 table + state": ("bfloat16", {"state_dtype": "bfloat16"})}
+    out = {}
+    for name, entry in sorted(sparseopt.updaters.registry(shipped_only=True).items()):
+        out[name] = {}
+        for label, (dtype, storage) in precisions.items():
+            ids = keras.Input((1,), dtype="int32")
+            layer = sparseopt.layers.SparseEmbedding(
+                64, width, updater=entry(0.01, **entry.test_configs["default"], **storage),
+                dtype=dtype)
+            model = keras.Model(ids, layer(ids))
+            model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()),
+                          loss="mse")
+            model.optimizer.build(model.trainable_variables)
+            state = model.optimizer.table_state(layer.embeddings).values()
+            out[name][label] = variables_bytes([layer.embeddings, *state]) / 64
+    return out
+
+
+def train(names, x, y, val_x, val_y, examples, chunks):
+    """One pass for each variant in turn, the validation after each chunk."""
+    init = [v.numpy() if hasattr(v, "numpy") else keras.ops.convert_to_numpy(v)
+            for v in build("float32").weights]
+    curves, memories = {}, {}
+    edges = np.linspace(0, examples, chunks + 1).astype(int)
+    for name in names:
+        model = build(name, init)
+        memories[name] = memory(model)
+        loss, auc = model.evaluate(val_x, val_y, batch_size=8192, verbose=0)
+        curve = [(0, loss, auc)]
+        start = time.perf_counter()
+        for lo, hi in zip(edges[:-1], edges[1:]):
+            model.fit({k: v[lo:hi] for k, v in x.items()}, y[lo:hi], batch_size=BATCH,
+                      epochs=1, verbose=0, shuffle=False)
+            loss, auc = model.evaluate(val_x, val_y, batch_size=8192, verbose=0)
+            curve.append((int(hi), float(loss), float(auc)))
+            print(f"  {name:34s} {hi:>10,d} examples  val loss {loss:.4f}  AUC {auc:.4f}",
+                  flush=True)
+        curves[name] = curve
+        print(f"  {name}: {time.perf_counter() - start:.0f} s", flush=True)
+        keras.backend.clear_session(free_memory=False)
+    return curves, memories
+
+
+def step_times(names, x, y, rounds, steps):
+    """Median ms per step of each variant, timed round-robin: `rounds` x `steps` steps each."""
+    models = {name: build(name) for name in names}
+    n = BATCH * steps
+    part = ({k: v[:n] for k, v in x.items()}, y[:n])
+    for model in models.values():  # compile
+        model.fit(*part, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    times = {name: [] for name in names}
+    for _ in range(rounds):
+        for name, model in models.items():
+            start = time.perf_counter()
+            model.fit(*part, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+            times[name].append((time.perf_counter() - start) / steps * 1e3)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def plot(curves, path, backend):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, curve in curves.items():
+        seen, loss, auc = zip(*curve)
+        axes[0].plot(seen[1:], loss[1:], marker="o", label=name)
+        axes[1].plot(seen[1:], auc[1:], marker="o", label=name)
+    axes[0].set_ylabel("validation loss")
+    axes[1].set_ylabel("validation AUC")
+    for ax in axes:
+        ax.set_xlabel("examples seen (one pass)")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"DLRM demo model, 26 tables, width {WIDTH}: table precision ({backend})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--examples", type=int, default=None)
+    parser.add_argument("--chunks", type=int, default=8)
+    args = parser.parse_args()
+    examples = args.examples or (600_000 if args.quick else 2_400_000)
+    backend = keras.backend.backend()
+    print(f"precision benchmark: {backend}, {examples:,} examples, batch {BATCH:,}, "
+          f"{len(TABLE_SIZES)} tables x width {WIDTH}", flush=True)
+    data, labels, _ = synthetic_clicks(examples + VALIDATION_EXAMPLES, TABLE_SIZES)
+    (x, val_x), (y, val_y) = split_at(data, examples), split_at(labels, examples)
+    names = list(VARIANTS)
+    curves, memories = train(names, x, y, val_x, val_y, examples, args.chunks)
+    ms = step_times(names, x, y, rounds=5 if args.quick else 8, steps=20)
+    per_row = bytes_per_row()
+
+    base = curves["float32"][-1][1]
+    print(f"\n| variant ({backend}) | final val loss | vs float32 | final AUC | tables MB | "
+          "state MB | ms/step | vs float32 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in names:
+        _, loss, auc = curves[name][-1]
+        mem = memories[name]
+        print(f"| {name} | {loss:.4f} | {100 * (loss / base - 1):+.2f}% | {auc:.4f} | "
+              f"{mem['table_bytes'] / 2**20:.1f} | {mem['state_bytes'] / 2**20:.1f} | "
+              f"{ms[name]:.1f} | {ms[name] / ms['float32']:.2f}x |")
+    labels_ = list(next(iter(per_row.values())))
+    print(f"\n| bytes per row, width {WIDTH} (table + state) | " + " | ".join(labels_) + " |")
+    print("|---|" + "---|" * len(labels_))
+    for name, cells in per_row.items():
+        print(f"| `{name}` | " + " | ".join(f"{cells[k]:g}" for k in labels_) + " |")
+
+    suffix = f"{backend}{'_quick' if args.quick else ''}"
+    RESULTS.mkdir(exist_ok=True)
+    with open(RESULTS / f"precision_{suffix}.json", "w") as f:
+        json.dump({"backend": backend, "examples": examples, "batch": BATCH, "width": WIDTH,
+                   "curves": curves, "memory": memories, "ms_per_step": ms,
+                   "bytes_per_row": per_row, "keras": keras.__version__,
+                   "sparseopt": sparseopt.__version__}, f, indent=1)
+    plot(curves, RESULTS / f"precision_{suffix}.png", backend)
+    print(f"\nwrote {RESULTS / f'precision_{suffix}.json'} and .png")
+
+
+if __name__ == "__main__":
+    main()
