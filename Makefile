@@ -55,16 +55,21 @@ test-tensorflow: $(STAMP)
 		-m "not jax_session" $(PYTEST_ARGS)
 
 # The benchmark suite (docs/benchmarks.md): full run ~45 min + the production-shaped
-# grid (dlrm_step.py) ~40 min + every updater (updaters.py) ~3 min; quick ~6 min.
+# grid (dlrm_step.py) ~40 min + every updater (updaters.py) ~3 min + table precision
+# (precision.py, each backend) ~15 min; quick ~15 min.
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
 	$(BIN)/python benchmarks/dlrm_step.py
 	$(BIN)/python benchmarks/updaters.py
+	KERAS_BACKEND=jax $(BIN)/python benchmarks/precision.py
+	KERAS_BACKEND=tensorflow $(BIN)/python benchmarks/precision.py
 
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/run.py --quick
 	$(BIN)/python benchmarks/dlrm_step.py --quick
 	$(BIN)/python benchmarks/updaters.py --quick
+	KERAS_BACKEND=jax $(BIN)/python benchmarks/precision.py --quick
+	KERAS_BACKEND=tensorflow $(BIN)/python benchmarks/precision.py --quick
 
 # Optional peers for the suite's TorchRec/FBGEMM rows (CPU builds, ~1 GB).
 bench-peers: $(STAMP)

@@ -15,7 +15,8 @@ Variants:
   (`stochastic_rounding=False`);
 - `bfloat16, stochastic`: bfloat16 tables, float32 state, stochastic
   rounding (the default for 16-bit tables);
-- `bfloat16, bf16 state, stochastic`: state in bfloat16 too.
+- `bfloat16, bf16 state, stochastic`: state in bfloat16 too;
+- `float16, stochastic`: float16 tables, float32 state.
 
 Then the step time of each variant, timed round-robin on the same batches
 (alternating variants, so the machine's drift hits all alike), the bytes of
@@ -50,6 +51,7 @@ VARIANTS = {
     "bfloat16, nearest": ("bfloat16", {"stochastic_rounding": False}),
     "bfloat16, stochastic": ("bfloat16", {}),
     "bfloat16, bf16 state, stochastic": ("bfloat16", {"state_dtype": "bfloat16"}),
+    "float16, stochastic": ("float16", {}),
 }
 WIDTH, BATCH = 16, 1024
 
@@ -68,6 +70,7 @@ def build(name, init=None):
     if init is not None:  # the float32 model's initial weights, stored as each variant stores
         for v, value in zip(model.weights, init):
             v.assign(value)
+    model.optimizer.build(model.trainable_variables)
     return model
 
 
@@ -116,7 +119,7 @@ def train(names, x, y, val_x, val_y, examples, chunks):
                       epochs=1, verbose=0, shuffle=False)
             loss, auc = model.evaluate(val_x, val_y, batch_size=8192, verbose=0)
             curve.append((int(hi), float(loss), float(auc)))
-            print(f"  {name:34s} {hi:>10,d} examples  val loss {loss:.4f}  AUC {auc:.4f}",
+            print(f"  {name:33s} {hi:>10,d} examples  val loss {loss:.4f}  AUC {auc:.4f}",
                   flush=True)
         curves[name] = curve
         print(f"  {name}: {time.perf_counter() - start:.0f} s", flush=True)
@@ -149,8 +152,11 @@ def plot(curves, path, backend):
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, curve in curves.items():
         seen, loss, auc = zip(*curve)
-        axes[0].plot(seen[1:], loss[1:], marker="o", label=name)
-        axes[1].plot(seen[1:], auc[1:], marker="o", label=name)
+        # float32 underneath, wide and dashed: the others lie on it where they match.
+        style = (dict(color="black", linestyle="--", linewidth=3, zorder=0)
+                 if name == "float32" else dict(marker="o", markersize=4))
+        axes[0].plot(seen[1:], loss[1:], label=name, **style)
+        axes[1].plot(seen[1:], auc[1:], label=name, **style)
     axes[0].set_ylabel("validation loss")
     axes[1].set_ylabel("validation AUC")
     for ax in axes:

@@ -150,6 +150,10 @@ class _SignSGD(sparseopt.updaters.SGD):
     (sparseopt.updaters.Adagrad(0.1, clipnorm=1.0, clipvalue=0.5),
      r"Adagrad options \['clipnorm'\] have no Keras optimizer equivalent"),
     (sparseopt.updaters.SGD(0.1, momentum=0.9, lazy=False), r"SGD\(lazy=False\)"),
+    (sparseopt.updaters.Adagrad(0.1, state_dtype="bfloat16"),
+     r"Adagrad storage settings \[\"state_dtype='bfloat16'\"\] have no Keras"),
+    (sparseopt.updaters.Adam(0.1, stochastic_rounding=False, rounding_seed=4),
+     r"Adam storage settings \['stochastic_rounding=False', 'rounding_seed=4'\]"),
 ])
 @pytest.mark.backend_independent
 def test_updaters_without_a_keras_optimizer_are_refused(updater, message):
@@ -240,6 +244,10 @@ def test_rules_sparsecore_has_and_keras_has_not_map_field_by_field(updater):
     (sparseopt.updaters.Adam(0.1, ema_momentum=0.9), r"Adam settings \['ema_momentum'\]"),
     (sparseopt.updaters.SGD(0.1, lazy=False), r"SGD settings \['lazy=False'\]"),
     (sparseopt.updaters.PartialRowwiseAdam(0.1), r"PartialRowwiseAdam has no Keras optimizer"),
+    # SparseCore stores float32 only; also for the rules it has and Keras has not.
+    (sparseopt.updaters.Adagrad(0.1, state_dtype="float16"),
+     r"Adagrad storage settings \[\"state_dtype='float16'\"\]: SparseCore stores"),
+    (sparseopt.updaters.LaProp(0.1, state_dtype="bfloat16"), r"LaProp storage settings"),
 ])
 def test_settings_sparsecore_cannot_honour_are_refused(updater, message):
     pytest.importorskip("jax_tpu_embedding", reason="SparseCore specs: Linux x86-64 only")
