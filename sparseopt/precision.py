@@ -92,7 +92,7 @@ def stream_key(seed, table_index, variable_index):
 
 
 def random_bits(key, step, ids, width):
-    """uint32 `[U, width]` bits for rows `ids` at `step`, all from the hash of the docs.
+    """uint32 `[U, width]` random bits for rows `ids` at `step` (docs/semantics.md's hash).
 
     Args:
         key: `stream_key(...)`.
@@ -166,4 +166,3 @@ def _mix_int(x):
 
 def _name(dtype):
     return keras.backend.standardize_dtype(dtype)
-
