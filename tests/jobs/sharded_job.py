@@ -16,6 +16,8 @@ batches, in this one process, and leaves in OUT_DIR:
 - `<layout>.npz`: every model weight and every optimizer state variable
   after training (and `init.npz`: the initial weights);
 - `<layout>_bfloat16.npz`: a bfloat16 table trained alone (`run_bfloat16`);
+- `reshard_<i>_{loaded,saved}.npz`: a run saved under one layout and loaded
+  under the next (`reshard`);
 - `<layout>.json`: where the tables and their state live (bytes per device,
   shard shapes), the compiled step's collectives and memory, the dropped-id
   counts, and the collectives of the same step with 8x larger tables.
@@ -278,6 +280,56 @@ def resume(layout, out, x, y, init):
         np.savez(os.path.join(out, f"{layout}_resumed.npz"), **saved)
 
 
+# Resharding: a quarter of the steps under each layout, saved with one saver
+# and loaded under the next layout: rows over 8 -> rows 2x4 -> one device ->
+# rows over 8, through model.save, save_weights and OrbaxCheckpoint.
+RESHARD = [("rows8", None), ("rows2x4", "keras_model"), ("single", "weights"),
+           ("rows8", "orbax")]
+
+
+def reshard(out, x, y, init):
+    """Trains through `RESHARD`; leaves `reshard_<i>_saved.npz` (after phase i's
+    steps, as saved) and `reshard_<i>_loaded.npz` (what phase i loaded)."""
+    quarter = len(y) // len(RESHARD)
+    fit = dict(batch_size=BATCH, shuffle=False, verbose=0)
+    path = None
+    for i, (layout, saver) in enumerate(RESHARD):
+        if saver == "keras_model":
+            keras.backend.clear_session()
+            keras.distribution.set_distribution(distribution(layout))
+            model = keras.saving.load_model(path)
+        else:
+            model = build_model(layout)
+            if saver is None:
+                model.set_weights(init)
+            model.optimizer.build(model.trainable_variables)
+            if saver is not None:
+                model.load_weights(path)
+        if i:
+            loaded = everything(model)
+            # Rows per shard of the user table, its accumulator and its dedup workspace.
+            loaded["shard_rows"] = np.array(sorted({
+                s.data.shape[0] for v in table_state(model, "user") if len(v.shape)
+                for s in v.value.addressable_shards}))
+            np.savez(os.path.join(out, f"reshard_{i}_loaded.npz"), **loaded)
+        part = slice(i * quarter, (i + 1) * quarter)
+        callbacks = []
+        following = RESHARD[i + 1][1] if i + 1 < len(RESHARD) else None
+        if following == "orbax":
+            path = os.path.join(out, f"reshard_{i}_orbax")
+            callbacks = [keras.callbacks.OrbaxCheckpoint(path)]
+        model.fit({k: v[part] for k, v in x.items()}, y[part], callbacks=callbacks, **fit)
+        if following == "orbax":
+            callbacks[0].wait_until_finished()
+        elif following == "keras_model":
+            path = os.path.join(out, f"reshard_{i}.keras")
+            model.save(path)
+        elif following == "weights":
+            path = os.path.join(out, f"reshard_{i}.weights.h5")
+            model.save_weights(path)
+        np.savez(os.path.join(out, f"reshard_{i}_saved.npz"), **everything(model))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -293,6 +345,9 @@ def main():
         run(layout, args.out, x, y, init)
         run_bfloat16(layout, args.out)
         print("done", layout, flush=True)
+    if jax.process_count() == 1 and args.layouts == list(LAYOUTS):
+        reshard(args.out, x, y, init)
+        print("done reshard", flush=True)
 
 
 if __name__ == "__main__":
