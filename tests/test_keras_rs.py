@@ -210,3 +210,25 @@ def test_optimizer_map_can_hand_a_small_table_to_a_dense_keras_optimizer():
     np.testing.assert_allclose(dense, sparse, rtol=1e-5, atol=1e-6)
     assert sparse_model.optimizer.skipped_steps() == {"de/t/embeddings": 0}
     assert dense_model.optimizer.skipped_steps() == {}  # not a sparse table there
+
+
+def test_tables_keep_the_dtype_keras_rs_creates_and_state_is_float32():
+    """keras-rs 0.4 creates its default-device tables in float32 whatever the layer's
+    dtype policy; sparseopt keeps each table as created (and state in float32)."""
+    table = keras_rs.layers.TableConfig(name="t", vocabulary_size=30, embedding_dim=WIDTH,
+                                        optimizer=keras.optimizers.Adagrad(0.1))
+    feature = keras_rs.layers.FeatureConfig(name="f", table=table, input_shape=(BATCH, 2),
+                                            output_shape=(BATCH, WIDTH))
+    ids = keras.Input((2,), dtype="int32", name="f")
+    emb = keras_rs.layers.DistributedEmbedding({"f": feature}, dtype="bfloat16")
+    model = keras.Model({"f": ids}, keras.layers.Dense(1)(emb({"f": ids})["f"]))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam()), loss="mse")
+    created = {v.path: v.dtype for v in emb.weights if v.path.endswith("/embeddings")}
+    assert created == {"distributed_embedding/t/embeddings": "float32"}
+    x, y = data({"f": 30}, {"f": 2}, steps=2)
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+    assert {v.path: v.dtype for v in emb.weights if v.path in created} == created
+    assert sorted(model.optimizer.table_trainers) == sorted(created)
+    for path in created:
+        state = model.optimizer.table_state(path)
+        assert {k: v.dtype for k, v in state.items()} == {"accumulator": "float32"}
