@@ -4,10 +4,15 @@ Two tables (`big`: row-wise Adagrad, `mid`: Adagrad, a quarter of `big`'s
 rows), bags of ids from a skewed distribution, a Dense tower with Adam. Each
 device count runs in its own process (JAX fixes the device count at start;
 `--xla_force_host_platform_device_count`), with the tables row-sharded by
-`sparseopt.distribution.row_sharded` (1 device: no distribution). The
+`sparseopt.distribution.row_sharded` (1 device: no distribution), updated
+both ways: "every" (every shard takes every id) and "routed" (each id sent to
+its owner; forced on from 2 shards here, to show the crossover). The
 processes are timed round-robin, side by side, and each reports:
 
 - median ms per step of the compiled train step (state donated, as `fit`);
+- the ids each shard dedups per table and round, and the bytes the update's
+  own collectives bring each device (from the HLO), and the routed rounds
+  each timed batch takes (`sparseopt.distribution.routed_rounds`);
 - bytes per device of the tables and their optimizer state (shards held);
 - the compiled step's scratch memory per device (XLA's memory analysis);
 - bytes each device receives in collectives per step (from the HLO), and
@@ -18,14 +23,16 @@ the estimate for a large table (default 1e9 rows x 128) used in
 docs/scaling.md. Simulated devices share this machine's cores: the step
 times show the cost of sharding on one host, not a speed-up.
 
-    python benchmarks/sharded.py                 # 4M + 1M rows x 32, ~3 min
+    python benchmarks/sharded.py                 # 4M + 1M rows x 32, ~5 min
     python benchmarks/sharded.py --rows 1000000 --rounds 3   # quick
+    python benchmarks/sharded.py --spread        # hot ids spread over the shards
 
 Writes benchmarks/results/sharded.json and sharded.png.
 """
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -45,9 +52,13 @@ def child(args):
     import numpy as np
 
     import sparseopt
+    from sparseopt.backend import jax as jax_backend
     from sparseopt.distribution import (bytes_per_device, collectives, compile_train_step,
                                         step_inputs)
 
+    # Which way row-sharded updates take: "every" (every shard takes every id),
+    # "routed" (each id to its owner, from 2 shards on, to show the crossover).
+    jax_backend.ROUTE_MIN_SHARDS = 2 if args.path == "routed" else 10**9
     devices = jax.device_count()
     if devices > 1:
         keras.distribution.set_distribution(
@@ -64,6 +75,9 @@ def child(args):
     for _ in range(4):
         xb = {name: common.zipf_ids(rng, rows, (args.batch, args.bag), 1.2, start=0)
               for name, (rows, _, _) in tables.items()}
+        if args.spread:  # hot ids spread over the shards (a bijection of the rows)
+            xb = {name: np.where(ids >= 0, ids.astype(np.int64) * 2654435761 % tables[name][0],
+                                 ids).astype("int32") for name, ids in xb.items()}
         batches.append((xb, (rng.random((args.batch, 1)) < 0.3).astype("float32")))
     compiled = compile_train_step(model, *batches[0])
     inputs = [step_inputs(model, xb, yb)[1] for xb, yb in batches]
@@ -74,8 +88,31 @@ def child(args):
          for v in (t.table, *t.saved_variables, *t.scratch_variables)])
     moved = collectives(compiled.as_text())
     largest_table_rows = {rows // devices for rows, _, _ in tables.values()}
+    ids_per_table = args.batch * args.bag
+    # The every-id way: all-gathers of a table's ids [ids] and gradients [ids, width];
+    # in a routed step it is the overflow branch, never taken with these ids (below).
+    every = [c for c in moved if c.kind == "all-gather" and c.shapes
+             and c.shapes[0][:1] == (ids_per_table,)]
+    routed = [c for c in moved if c.kind == "all-to-all"]
+    taken = routed if args.path == "routed" and devices > 1 else every
     result = {
         "devices": devices,
+        "path": args.path,
+        # Entries each shard dedups per table and round: the ids it receives
+        # (all-to-all: [shards, capacity], possibly one operand per sender;
+        # all-gather: [ids]), from the HLO.
+        "dedup_entries_per_device_per_table": max(
+            [sum(math.prod(s) for s in c.shapes if len(s) == (2 if c.kind == "all-to-all"
+                                                             else 1)) for c in taken]
+            or [ids_per_table]),
+        # The table updates' own collectives on the way taken (per round), and
+        # everything the step moves on that way (lookups, dense gradients too).
+        "update_collective_bytes_per_device": sum(c.nbytes for c in taken),
+        "step_collective_bytes_per_device": (
+            sum(c.nbytes for c in moved) - (sum(c.nbytes for c in every) if taken is routed
+                                            else 0)),
+        "rounds_per_batch": rounds(batches, tables, devices)
+        if args.path == "routed" and devices > 1 else None,
         "table_and_state_bytes_per_device": max(held.values()),
         "scratch_bytes_per_device": compiled.memory_analysis().temp_size_in_bytes,
         "collective_bytes_per_device": sum(c.nbytes for c in moved),
@@ -108,10 +145,22 @@ def child(args):
     answer(time_once, final)
 
 
+def rounds(batches, tables, devices):
+    """The routed rounds each timed batch takes (its largest over the tables)."""
+    import numpy as np
+
+    from sparseopt.distribution import routed_rounds
+
+    return [max(routed_rounds(np.array_split(xb[name].reshape(-1), devices), rows, devices)
+                for name, (rows, _, _) in tables.items()) for xb, _ in batches]
+
+
 def estimate(results, args):
     """What a `rows x width` table needs, from the measured per-row figures."""
     one = next(r for r in results if r["devices"] == 1)
-    eight = max(results, key=lambda r: r["devices"])
+    most = max(r["devices"] for r in results)
+    eight = next(r for r in results if r["devices"] == most and r["path"] == "every")
+    routed = next((r for r in results if r["devices"] == most and r["path"] == "routed"), None)
     # Bytes per row: the row (4 * width), the dedup workspace (4) and the
     # rule's state (row-wise Adagrad 4, Adagrad 4 * width, FTRL 8 * width).
     # The formula must give the measured bytes (plus two 4-byte skip
@@ -140,6 +189,19 @@ def estimate(results, args):
                                 "devices": devices, "hosts": nodes,
                                 "gb_per_device": total / devices / 1e9}
     out["collective_gb_per_device_per_step"] = per_id_elem * ids * args.est_width / 1e9
+    if routed is not None:
+        # Routed, the update's collectives bring each device about
+        # `ROUTE_CAPACITY / devices` of the ids (one round: ids spread over
+        # the shards): measured at `most` devices, scaled to the estimate's
+        # device count. The rest (lookups, dense gradients) does not scale.
+        scale = routed["ids_per_step"] * args.width
+        update = routed["update_collective_bytes_per_device"] / scale
+        rest = (routed["step_collective_bytes_per_device"]
+                - routed["update_collective_bytes_per_device"]) / scale
+        out["routed_measured_bytes_per_id_per_width"] = {"update": update, "rest": rest}
+        out["routed_collective_gb_per_device_per_step"] = {
+            rule: (rest + update * most / o["devices"]) * ids * args.est_width / 1e9
+            for rule, o in out["options"].items()}
     out["single_device_ms_per_1k_ids"] = min(one["times_ms"]) / one["ids_per_step"] * 1e3
     return out
 
@@ -162,20 +224,26 @@ def main():
     parser.add_argument("--devices-per-node", type=int, default=8)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "sharded.json"))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--path", default="every", help=argparse.SUPPRESS)
+    parser.add_argument("--spread", action="store_true",
+                        help="spread hot ids over the shards (ids x a large prime mod rows)")
     args = parser.parse_args()
     if args.child:
         return child(args)
 
     argv = [sys.executable, __file__, "--child", "--rows", str(args.rows), "--width",
             str(args.width), "--batch", str(args.batch), "--bag", str(args.bag),
-            "--steps", str(args.steps)]
+            "--steps", str(args.steps)] + (["--spread"] if args.spread else [])
     children = []
-    for n in args.devices:
+    # One device: nothing to route. More: both ways, side by side.
+    runs = [(n, path) for n in args.devices for path in
+            (["every"] if n == 1 else ["every", "routed"])]
+    for n, path in runs:
         env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3",
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={n}",
                    PYTHONPATH=os.path.dirname(HERE))
-        proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                text=True)
+        proc = subprocess.Popen(argv + ["--path", path], env=env, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
         line = proc.stdout.readline().strip()
         assert line == "ready", f"{n} devices: child said {line!r}"
         children.append(proc)
@@ -184,18 +252,25 @@ def main():
     base = statistics.median(results[0]["times_ms"])
     print(f"\nTables: {args.rows:,} + {args.rows // 4:,} rows x {args.width}; "
           f"batch {args.batch} x {args.bag} ids per table; median of {args.rounds} rounds\n")
-    print("| Devices | ms/step | vs 1 device | tables+state per device (MB) | vs 1 device "
-          "| step scratch per device (MB) | collective bytes per device per step (KB) "
-          "| table-sized collectives |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| Devices | way | ms/step | vs 1 device | tables+state per device (MB) | vs 1 device "
+          "| step scratch per device (MB) | ids each shard dedups per table (of "
+          f"{args.batch * args.bag:,}) | update collectives per device (KB) "
+          "| all collectives per device per step (KB) | table-sized collectives "
+          "| rounds per batch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     held1 = results[0]["table_and_state_bytes_per_device"]
     for r in results:
         ms = statistics.median(r["times_ms"])
         held = r["table_and_state_bytes_per_device"]
-        print(f"| {r['devices']} | {ms:.2f} | {ms / base:.2f}x | {held / 1e6:.1f} "
-              f"| {held / held1:.3f} | {r['scratch_bytes_per_device'] / 1e6:.2f} "
-              f"| {r['collective_bytes_per_device'] / 1e3:.0f} "
-              f"| {r['table_sized_collectives']} |")
+        rounds_ = ("-" if r["rounds_per_batch"] is None
+                   else ", ".join(map(str, r["rounds_per_batch"])))
+        print(f"| {r['devices']} | {r['path']} | {ms:.2f} | {ms / base:.2f}x "
+              f"| {held / 1e6:.1f} | {held / held1:.3f} "
+              f"| {r['scratch_bytes_per_device'] / 1e6:.2f} "
+              f"| {r['dedup_entries_per_device_per_table']:,} "
+              f"| {r['update_collective_bytes_per_device'] / 1e3:.0f} "
+              f"| {r['step_collective_bytes_per_device'] / 1e3:.0f} "
+              f"| {r['table_sized_collectives']} | {rounds_} |")
     est = estimate(results, args)
     print(f"\nEstimate for {args.est_rows:.0e} rows x {args.est_width}, "
           f"{args.device_gb:.0f} GB devices (80% usable), "
@@ -211,6 +286,14 @@ def main():
           "collective results per device per step")
     print(f"  work: {est['single_device_ms_per_1k_ids']:.3f} ms per 1k ids per step on one "
           "CPU device (each shard processes every id of the step)")
+    if "routed_collective_gb_per_device_per_step" in est:
+        measured = est["routed_measured_bytes_per_id_per_width"]
+        print(f"  routed: {measured['update']:.2f} B per id per width element for the update "
+              f"(per round) and {measured['rest']:.2f} for the rest at the largest device count "
+              "measured; at the devices above: " + ", ".join(
+                  f"{rule} {gb:.3f} GB" for rule, gb in
+                  est["routed_collective_gb_per_device_per_step"].items())
+              + " per device per step")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "results": results, "estimate": est}, f, indent=1)
@@ -222,9 +305,16 @@ def plot(results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    n = [r["devices"] for r in results]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    a.plot(n, [statistics.median(r["times_ms"]) for r in results], "o-")
+    one = [r for r in results if r["devices"] == 1]
+    for way, label in (("every", "every shard takes every id"),
+                       ("routed", "ids routed to their owner")):
+        runs = one + [r for r in results if r["path"] == way and r["devices"] > 1]
+        a.plot([r["devices"] for r in runs], [statistics.median(r["times_ms"]) for r in runs],
+               "o-", label=label)
+    a.legend()
+    results = [r for r in results if r["path"] == "every"]
+    n = [r["devices"] for r in results]
     a.set_xscale("log", base=2)
     a.set(xticks=n, xticklabels=n, xlabel="simulated devices (one host, 2 cores)",
           ylabel="ms per step", title="Step time, fixed total table size")

@@ -130,6 +130,43 @@ def row_sharded(tables, device_mesh=None, table_axis=None, batch_dim_name=None,
                                             auto_shard_dataset=auto_shard_dataset)
 
 
+# -- routing ids to their shard (JAX) -----------------------------------------
+
+def routed_rounds(parts, rows, shards):
+    """How many routed rounds a step of a row-sharded table takes (NumPy, no devices).
+
+    Where ids are routed to their owner shard (4 row shards or more), each
+    sender (a device holding part of the batch) sends each owner at most
+    `route_capacity` distinct ids per round; a step whose senders hold more
+    for one owner takes several rounds, each taking every sender's ids below
+    the smallest id that follows a full bucket at any sender. Use it to see
+    whether your batches fit one round (skew toward a few shards does not;
+    hashing or permuting ids spreads them).
+
+    Args:
+        parts: one int array of ids per sender (its part of the batch;
+            invalid ids are ignored).
+        rows: the table's row count.
+        shards: the number of row shards.
+    """
+    from sparseopt.backend.jax import route_capacity
+
+    size = route_capacity(len(np.ravel(parts[0])), shards)
+    per_shard = rows // shards
+    most = 1
+    for owner in range(shards):
+        lo, hi = owner * per_shard, (owner + 1) * per_shard
+        runs = [np.unique(p[(p >= lo) & (p < hi)]) for p in map(np.ravel, parts)]
+        sent, count = [0] * len(runs), 0
+        while any(s < len(r) for s, r in zip(sent, runs)):
+            limit = min(r[s + size] if s + size < len(r) else np.inf
+                        for s, r in zip(sent, runs))
+            sent = [s + int(np.sum(r[s:] < limit)) for s, r in zip(sent, runs)]
+            count += 1
+        most = max(most, count)
+    return most
+
+
 # -- checking what a sharded step does (JAX) ----------------------------------
 
 _COLLECTIVE = re.compile(

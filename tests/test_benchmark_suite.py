@@ -114,7 +114,8 @@ def test_soak_runs_end_to_end_and_judges_memory(tmp_path):
 
 @pytest.mark.backend_independent  # benchmarks/sharded.py runs its children on JAX
 def test_sharded_benchmark_runs_and_measures_each_device_count(tmp_path):
-    """A tiny run: 1 and 8 devices side by side, memory 1/n, no table-sized collective."""
+    """A tiny run: 1 and 8 devices (both ways) side by side, memory 1/n, no table-sized
+    collective, routed ids 1/4 of every id."""
     import json
     import os
     import subprocess
@@ -130,11 +131,18 @@ def test_sharded_benchmark_runs_and_measures_each_device_count(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     run_ = json.loads(out.read_text())
     results = run_["results"]
-    assert [r["devices"] for r in results] == [1, 8]
+    assert [(r["devices"], r["path"]) for r in results] == [(1, "every"), (8, "every"),
+                                                            (8, "routed")]
     held = [r["table_and_state_bytes_per_device"] for r in results]
-    assert [round(h / held[0], 3) for h in held] == [1.0, 0.125]
+    assert [round(h / held[0], 3) for h in held] == [1.0, 0.125, 0.125]
     assert all(r["table_sized_collectives"] == 0 for r in results)
     assert results[0]["collective_bytes_per_device"] == 0 < results[1]["collective_bytes_per_device"]
+    # Routed, each of 8 shards dedups 8 buckets of 2 x 256 / 8 + 4 sqrt(256 / 8) = 86.6
+    # entries (each device holds 256 of a table's 2,048 ids), and receives less.
+    every, routed = results[1], results[2]
+    assert every["dedup_entries_per_device_per_table"] == 2048
+    assert routed["dedup_entries_per_device_per_table"] == 8 * 87
+    assert routed["step_collective_bytes_per_device"] < every["step_collective_bytes_per_device"]
     assert run_["estimate"]["measured_state_bytes"] == run_["estimate"]["formula_state_bytes"]
     assert "WARNING" not in proc.stdout and (tmp_path / "sharded.png").exists()
 

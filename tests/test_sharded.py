@@ -80,6 +80,22 @@ def test_bfloat16_tables_round_as_on_one_device_bit_for_bit(runs, layout):
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
+@pytest.mark.parametrize("layout", ["rows8", "rows2x4"])
+@pytest.mark.parametrize("kind", ["uniform", "one_shard"])
+def test_ids_routed_to_their_owner_in_one_round_or_several_give_one_devices_result(
+        runs, layout, kind):
+    """Each device sends each distinct id only to its owner, in fixed-size buckets:
+    uniform ids take one round a step; ids that all land in one shard take several,
+    split by id value. Both: the table and its state as on one device (to float
+    rounding: each device sums its own duplicates first)."""
+    rounds = _report(runs, f"{layout}_routing")[kind]
+    assert max(rounds) == 1 if kind == "uniform" else max(rounds) > 1
+    got = _load(runs, f"{layout}_routing_{kind}")
+    want = _load(runs, f"single_routing_{kind}")
+    for key in ("table", "accumulator"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
 @pytest.mark.parametrize("layout", SHARDED)
 def test_rows_no_batch_touched_stay_bit_for_bit(runs, job, layout):
     x, _ = job.data()
@@ -177,14 +193,25 @@ def test_no_collective_moves_a_table_or_its_state(runs, job, layout):
 def test_row_sharded_steps_move_each_id_and_row_gradient_once(runs, job, layout):
     """Per table: its ids (lookup and update), one [ids, width] sum of the looked-up
     rows and one [ids, width] all-gather of their gradients; plus the dense gradients.
-    (XLA's partitioner alone moved 2.6-3.8x this: new rows and state went back too.)"""
+    (XLA's partitioner alone moved 2.6-3.8x this: new rows and state went back too.)
+    The compiled step also holds the routed way (each id and gradient to its owner):
+    buckets of `route_capacity` entries from each device, never batch-sized."""
+    from sparseopt.backend.jax import route_capacity
+
     report = _report(runs, layout)
     ids = {name: job.BATCH * n for name, n in job.IDS_PER_TABLE.items()}
     tables = sum(ids[name] * (2 * 4 * width + 2 * 4)
                  for name, (_, width, _) in job.TABLES.items())
     dense = 4 * sum(int(np.prod(w.shape)) for w in _weights_of(job)
                     if w.trainable and not w.path.endswith("/embeddings"))
-    assert sum(c[2] for c in report["collectives"]) <= tables + dense + 64
+    # rows8: an all-to-all of 8 buckets per table; rows 2x4: a device's own
+    # shard's ids of its half of the batch, gathered over the 2 halves.
+    senders, shards = {"rows8": (8, 8), "rows2x4": (2, 4)}[layout]
+    routed = sum(senders * route_capacity(ids[name] // senders, shards) * (4 + 4 * width)
+                 for name, (_, width, _) in job.TABLES.items())
+    assert sum(c[2] for c in report["collectives"]) <= tables + dense + routed + 64
+    if layout == "rows8":
+        assert sum(c[2] for c in report["collectives"] if c[0] == "all-to-all") == routed
 
 
 @pytest.mark.parametrize("layout", SHARDED)

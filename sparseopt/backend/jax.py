@@ -8,6 +8,7 @@ below updates the donated table buffer in place.
 
 import contextlib
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -343,42 +344,176 @@ class _Shard:
         self.value = value
 
 
+# Owner routing: each id goes only to the shard that owns its row, in rounds
+# of fixed-size buckets (`route_capacity` entries from each device to each
+# shard). Each shard then dedups and updates about `ROUTE_CAPACITY` / n of the
+# global batch instead of all of it: cheaper once n > ROUTE_CAPACITY, i.e.
+# from 4 row shards (benchmarks/sharded.py counts it per device). Below that,
+# every shard takes every id.
+ROUTE_MIN_SHARDS = 4
+ROUTE_CAPACITY = 2.0
+
+
+def route_capacity(num_ids, shards):
+    """Bucket size for `num_ids` ids over `shards` owners: `ROUTE_CAPACITY` times
+    an even share, plus four standard deviations of a uniform draw (small
+    batches), at most `num_ids`."""
+    share = num_ids / shards
+    return max(1, min(num_ids, math.ceil(ROUTE_CAPACITY * share + 4 * math.sqrt(share))))
+
+
 def on_row_shards(apply, shards, updater, table, slots, ids, grads, learning_rate, step,
                   workspace, rounding):
     """Runs `apply` on each row shard of `table`, with the ids that shard owns.
 
-    Every shard receives all of the step's `(ids, grads)` (one all-gather of
-    the batch's rows, never of a table), keeps the ids in its own row range
-    as local row numbers, and updates its blocks of the table, its state and
-    its dedup workspace in place. Ids no shard owns (invalid) are dropped.
-    Stochastic rounding keys its bits by global row (`rounding.at_offset`).
+    Two ways, the same result (`ROUTE_MIN_SHARDS`):
+
+    - routed: where the batch is split over a mesh axis, each device sums its
+      own duplicates, then sends each distinct `(id, row gradient)` only to
+      the shard owning the row: an all-to-all of fixed-size buckets when rows
+      and batch are split over the same axis, else its own shard's ids
+      gathered over the batch axis. A step with more ids for one shard than
+      a bucket holds takes several rounds, split by id value so that all of
+      an id's gradients arrive in the same round: each row is still updated
+      once, with the sum of all its gradients;
+    - every shard receives all of the step's `(ids, grads)` (one all-gather
+      of the batch's rows, never of a table) and keeps its own.
+
+    Each shard updates its blocks of the table, its state and its dedup
+    workspace in place, on its ids as local row numbers. Ids no shard owns
+    (invalid) are dropped. Stochastic rounding keys its bits by global row
+    (`rounding.at_offset`).
     """
     mesh, axis = shards
-    rows = table.shape[0] // mesh.shape[axis]
+    n, rows = mesh.shape[axis], table.shape[0] // mesh.shape[axis]
     names = sorted(slots)
+    grads = row_grads.rows_of(grads)
+    batch_axis = _batch_axis(mesh, ids.shape[0])
+    route = batch_axis is not None and n >= ROUTE_MIN_SHARDS
+
+    def update(values, local_ids, local_grads, learning_rate, step, start):
+        block, state, space = values
+        block, space = _Shard(block), _Shard(space)
+        state = {name: _Shard(v) for name, v in zip(names, state)}
+        applied = apply(updater, block, state, local_ids, local_grads, learning_rate, step,
+                        space, rounding.at_offset(start))
+        return (block.value, [state[k].value for k in names], space.value), applied
 
     def local(block, state, space, ids, grads, learning_rate, step):
         start = jax.lax.axis_index(axis) * rows
         ids = ids.astype(jnp.int32)
-        mine = (ids >= start) & (ids < start + rows)
-        block, space = _Shard(block), _Shard(space)
-        state = {name: _Shard(v) for name, v in zip(names, state)}
-        applied = apply(updater, block, state, jnp.where(mine, ids - start, -1), grads,
-                        learning_rate, step, space, rounding.at_offset(start))
-        return block.value, [state[n].value for n in names], space.value, applied
+        values = (block, state, space)
+        if not route:
+            if batch_axis is not None:  # this device's part of the batch -> all of it
+                ids = jax.lax.all_gather(ids, batch_axis, tiled=True)
+                grads = jax.lax.all_gather(grads, batch_axis, tiled=True)
+            mine = (ids >= start) & (ids < start + rows)
+            values, applied = update(values, jnp.where(mine, ids - start, -1), grads,
+                                     learning_rate, step, start)
+        else:
+            values, applied = _routed(update, values, ids, grads, learning_rate, step, start,
+                                      mesh, axis, batch_axis, rows)
+        return (*values, applied)
 
     split, whole = jax.sharding.PartitionSpec(axis), jax.sharding.PartitionSpec()
+    batch = jax.sharding.PartitionSpec(batch_axis) if batch_axis is not None else whole
     new_table, new_state, new_space, applied = jax.shard_map(
         local, mesh=mesh,
-        in_specs=(split, [split] * len(names), split, whole, whole, whole, whole),
+        in_specs=(split, [split] * len(names), split, batch, batch, whole, whole),
         out_specs=(split, [split] * len(names), split, whole), check_vma=False,
-    )(table.value, [slots[n].value for n in names], workspace.value, ids,
-      row_grads.rows_of(grads), learning_rate, step)
+    )(table.value, [slots[n].value for n in names], workspace.value, ids, grads,
+      learning_rate, step)
     table.assign(new_table)
     for name, value in zip(names, new_state):
         slots[name].assign(value)
     workspace.assign(new_space)
     return applied
+
+
+def _batch_axis(mesh, num_ids):
+    """The mesh axis the active distribution splits batches over, if the step's
+    `num_ids` ids split evenly over it (then each device starts with its part)."""
+    import keras
+
+    name = getattr(keras.distribution.distribution(), "batch_dim_name", None)
+    if name not in mesh.axis_names or num_ids % mesh.shape[name]:
+        return None
+    return name
+
+
+_NO_ID = np.iinfo(np.int32).max  # sorts after every row; never sent
+
+
+def _routed(update, values, ids, grads, learning_rate, step, start, mesh, axis, batch_axis,
+            rows):
+    """The routed way of `on_row_shards`, inside `shard_map`: `(values, applied)`."""
+    n = mesh.shape[axis]
+    same_axis = batch_axis == axis
+    owners = n if same_axis else 1  # the shards this device sends to
+    # This device's distinct ids (ascending: each owner's ids form one run)
+    # and the sum of each one's gradients, in order of occurrence.
+    valid = (ids >= 0) & (ids < n * rows)
+    if not same_axis:
+        valid &= (ids >= start) & (ids < start + rows)
+    keys = jnp.where(valid, ids, _NO_ID)
+    order = jnp.argsort(keys, stable=True)
+    ordered = keys[order]
+    first = jnp.concatenate([jnp.ones((1,), bool), ordered[1:] != ordered[:-1]])
+    segment = jnp.cumsum(first, dtype=jnp.int32) - 1
+    distinct = jnp.full(ids.shape, _NO_ID, jnp.int32).at[segment].set(ordered)
+    summed = jax.ops.segment_sum(grads[order].astype(jnp.float32), segment,
+                                 num_segments=ids.shape[0])
+    capacity = route_capacity(ids.shape[0], n)
+    # Each owner's run: [begin, end) in `distinct`.
+    bounds = (0 if same_axis else start) + jnp.arange(owners + 1, dtype=jnp.int32) * rows
+    edge = jnp.searchsorted(distinct, bounds, side="left").astype(jnp.int32)
+    begin, end = edge[:-1], edge[1:]
+    senders = tuple(a for a in (batch_axis,) if a is not None)
+    # All of a step's gradients must be applied or none (a non-finite one skips it).
+    finite = jax.lax.pmin(jnp.all(jnp.isfinite(summed)).astype(jnp.int32),
+                          tuple(mesh.axis_names)) > 0
+    slot = jnp.arange(capacity, dtype=jnp.int32)
+
+    def round_(carry):
+        values, sent, applied, _ = carry
+        position = begin[:, None] + sent[:, None] + slot[None, :]  # [owners, capacity]
+        in_run = position < end[:, None]
+        candidate = jnp.where(in_run, jnp.take(distinct, position, mode="clip"), _NO_ID)
+        # This round takes, for each owner, the ids below the smallest "next
+        # id after a full bucket" over all senders: the same ids everywhere
+        # go in the same round, and no bucket overflows.
+        after = begin + sent + capacity
+        limit = jnp.where(after < end, jnp.take(distinct, after, mode="clip"), _NO_ID)
+        if senders:
+            limit = jax.lax.pmin(limit, senders)
+        take = in_run & (candidate < limit[:, None])
+        send_ids = jnp.where(take, candidate, -1)
+        send_grads = jnp.where(take[..., None], jnp.take(summed, position, axis=0, mode="clip"),
+                               0.0)
+        if same_axis:
+            got_ids = jax.lax.all_to_all(send_ids, axis, 0, 0)
+            got_grads = jax.lax.all_to_all(send_grads, axis, 0, 0)
+        elif batch_axis is not None:
+            got_ids = jax.lax.all_gather(send_ids, batch_axis, tiled=True)
+            got_grads = jax.lax.all_gather(send_grads, batch_axis, tiled=True)
+        else:
+            got_ids, got_grads = send_ids, send_grads
+        got_ids = got_ids.reshape(-1)
+        local = jnp.where(got_ids >= 0, got_ids - start, -1)
+        values, ok = update(values, local, got_grads.reshape(local.shape[0], -1),
+                            learning_rate, step, start)
+        sent = sent + jnp.sum(take, axis=1, dtype=jnp.int32)
+        more = jax.lax.pmax(jnp.any(begin + sent < end).astype(jnp.int32),
+                            tuple(mesh.axis_names)) > 0
+        return values, sent, applied & ok, more
+
+    def again(carry):
+        return carry[3]
+
+    sent = jnp.zeros((owners,), jnp.int32)
+    values, _, applied, _ = jax.lax.while_loop(
+        again, round_, (values, sent, finite, finite))
+    return values, applied
 
 
 def fused_apply(updater, table, slots, ids, grads, learning_rate, finite):
