@@ -446,7 +446,10 @@ _NO_ID = np.iinfo(np.int32).max  # sorts after every row; never sent
 
 def _routed(update, values, ids, grads, learning_rate, step, start, mesh, axis, batch_axis,
             rows):
-    """The routed way of `on_row_shards`, inside `shard_map`: `(values, applied)`."""
+    """The routed way of `on_row_shards`, inside `shard_map`: `(values, applied)`.
+
+    `batch_axis` (not None) splits the batch; `axis` splits the rows.
+    """
     n = mesh.shape[axis]
     same_axis = batch_axis == axis
     owners = n if same_axis else 1  # the shards this device sends to
@@ -468,7 +471,6 @@ def _routed(update, values, ids, grads, learning_rate, step, start, mesh, axis, 
     bounds = (0 if same_axis else start) + jnp.arange(owners + 1, dtype=jnp.int32) * rows
     edge = jnp.searchsorted(distinct, bounds, side="left").astype(jnp.int32)
     begin, end = edge[:-1], edge[1:]
-    senders = tuple(a for a in (batch_axis,) if a is not None)
     # All of a step's gradients must be applied or none (a non-finite one skips it).
     finite = jax.lax.pmin(jnp.all(jnp.isfinite(summed)).astype(jnp.int32),
                           tuple(mesh.axis_names)) > 0
@@ -484,8 +486,7 @@ def _routed(update, values, ids, grads, learning_rate, step, start, mesh, axis, 
         # go in the same round, and no bucket overflows.
         after = begin + sent + capacity
         limit = jnp.where(after < end, jnp.take(distinct, after, mode="clip"), _NO_ID)
-        if senders:
-            limit = jax.lax.pmin(limit, senders)
+        limit = jax.lax.pmin(limit, batch_axis)  # over the devices that send
         take = in_run & (candidate < limit[:, None])
         send_ids = jnp.where(take, candidate, -1)
         send_grads = jnp.where(take[..., None], jnp.take(summed, position, axis=0, mode="clip"),
@@ -493,11 +494,9 @@ def _routed(update, values, ids, grads, learning_rate, step, start, mesh, axis, 
         if same_axis:
             got_ids = jax.lax.all_to_all(send_ids, axis, 0, 0)
             got_grads = jax.lax.all_to_all(send_grads, axis, 0, 0)
-        elif batch_axis is not None:
+        else:
             got_ids = jax.lax.all_gather(send_ids, batch_axis, tiled=True)
             got_grads = jax.lax.all_gather(send_grads, batch_axis, tiled=True)
-        else:
-            got_ids, got_grads = send_ids, send_grads
         got_ids = got_ids.reshape(-1)
         local = jnp.where(got_ids >= 0, got_ids - start, -1)
         values, ok = update(values, local, got_grads.reshape(local.shape[0], -1),

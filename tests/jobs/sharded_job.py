@@ -15,9 +15,10 @@ batches, in this one process, and leaves in OUT_DIR:
 
 - `<layout>.npz`: every model weight and every optimizer state variable
   after training (and `init.npz`: the initial weights);
-- `<layout>_bfloat16.npz`: a bfloat16 table trained alone (`run_bfloat16`);
-- `<layout>_routing_*.npz`, `<layout>_routing.json`: ids routed to their
-  owner, and a step whose buckets overflow (`run_routing`);
+- `<layout>_bfloat16.npz` (one device and the rows layouts): a bfloat16
+  table trained alone (`run_bfloat16`);
+- `<layout>_routing.npz`, `<layout>_routing.json` (the same): ids routed to
+  their owner in one round and in several (`run_routing`);
 - `reshard_<i>_{loaded,saved}.npz`: a run saved under one layout and loaded
   under the next (`reshard`);
 - `<layout>.json`: where the tables and their state live (bytes per device,
@@ -212,36 +213,33 @@ def run(layout, out, x, y, init):
 
 
 def run_routing(layout, out):
-    """One Adagrad table on fixed row gradients (`sum(y * rows)`), under `layout`:
-    uniform ids (each device's ids for each shard fit one bucket: one round)
-    and ids that all fall in the first shard's rows (they do not: several
-    rounds per step). Leaves `<layout>_routing_<kind>.npz` and, in
+    """One Adagrad table on fixed row gradients (`sum(y * rows)`), under `layout`,
+    for 12 steps: 6 of uniform ids (each device's ids for each shard fit one
+    bucket: one round) then 6 whose ids all fall in the first shard's rows
+    (they do not: several rounds). Leaves `<layout>_routing.npz` and, in
     `<layout>_routing.json`, the rounds each step takes (`_rounds`)."""
     rows, width, n_ids = 1024, 8, 4
     rng = np.random.default_rng(9)
-    n = BATCH * STEPS
-    data = {"uniform": rng.integers(-1, rows + 1, (n, n_ids)),
-            "one_shard": rng.integers(0, rows // 8, (n, n_ids))}
-    y = rng.normal(size=(n, n_ids, width)).astype("float32")
-    rounds = {}
-    for kind, x in data.items():
-        keras.backend.clear_session()
-        keras.distribution.set_distribution(distribution(layout))
-        keras.utils.set_random_seed(4)
-        ids_in = keras.Input((n_ids,), dtype="int32")
-        emb = sparseopt.layers.SparseEmbedding(rows, width, sparseopt.updaters.Adagrad(0.1),
-                                               name="routed")
-        model = keras.Model(ids_in, emb(ids_in))
-        model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()),
-                      loss=lambda t, p: keras.ops.sum(t * p, axis=(1, 2)))
-        model.fit(x.astype("int32"), y, batch_size=BATCH, shuffle=False, verbose=0)
-        np.savez(os.path.join(out, f"{layout}_routing_{kind}.npz"),
-                 table=to_numpy(emb.embeddings.value),
-                 accumulator=to_numpy(model.optimizer.table_state(
-                     emb.embeddings)["accumulator"].value))
-        rounds[kind] = _rounds(layout, x, rows)
+    half = BATCH * STEPS // 2
+    x = np.concatenate([rng.integers(-1, rows + 1, (half, n_ids)),
+                        rng.integers(0, rows // 8, (half, n_ids))])
+    y = rng.normal(size=(2 * half, n_ids, width)).astype("float32")
+    keras.backend.clear_session()
+    keras.distribution.set_distribution(distribution(layout))
+    keras.utils.set_random_seed(4)
+    ids_in = keras.Input((n_ids,), dtype="int32")
+    emb = sparseopt.layers.SparseEmbedding(rows, width, sparseopt.updaters.Adagrad(0.1),
+                                           name="routed")
+    model = keras.Model(ids_in, emb(ids_in))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()),
+                  loss=lambda t, p: keras.ops.sum(t * p, axis=(1, 2)))
+    model.fit(x.astype("int32"), y, batch_size=BATCH, shuffle=False, verbose=0)
+    np.savez(os.path.join(out, f"{layout}_routing.npz"),
+             table=to_numpy(emb.embeddings.value),
+             accumulator=to_numpy(model.optimizer.table_state(
+                 emb.embeddings)["accumulator"].value))
     with open(os.path.join(out, f"{layout}_routing.json"), "w") as f:
-        json.dump(rounds, f)
+        json.dump({"rounds": _rounds(layout, x, rows)}, f)
 
 
 def _rounds(layout, x, rows):
@@ -388,8 +386,8 @@ def main():
         np.savez(os.path.join(args.out, "init.npz"), *init)
     for layout in args.layouts:
         run(layout, args.out, x, y, init)
-        run_bfloat16(layout, args.out)
         if jax.process_count() == 1 and layout in ("single", "rows8", "rows2x4"):
+            run_bfloat16(layout, args.out)
             run_routing(layout, args.out)
         print("done", layout, flush=True)
     if jax.process_count() == 1 and args.layouts == list(LAYOUTS):
