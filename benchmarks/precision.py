@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 
 import sparseopt  # noqa: E402
 from dlrm_common import (  # noqa: E402
-    TABLE_SIZES, VALIDATION_EXAMPLES, build_dlrm, split_at, synthetic_clicks)
+    TABLE_SIZES, VALIDATION_EXAMPLES, build_dlrm, split_at, synthetic_clicks, variables_bytes)
 
 RESULTS = HERE / "results"
 VARIANTS = {
@@ -54,10 +54,6 @@ VARIANTS = {
     "float16, stochastic": ("float16", {}),
 }
 WIDTH, BATCH = 16, 1024
-
-
-def variables_bytes(variables):
-    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
 
 
 def build(name, init=None):

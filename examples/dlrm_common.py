@@ -110,13 +110,18 @@ class StepTimer(keras.callbacks.Callback):
         self.times = []
 
 
+def variables_bytes(variables):
+    """Bytes of `variables`, at their dtypes."""
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
+
+
 def state_bytes(optimizer, scratch=False):
     """Bytes of the optimizer's state (or of its dedup scratch, on JAX)."""
     if not isinstance(optimizer, sparseopt.DispatchOptimizer):  # plain Keras: all state
         variables = [] if scratch else optimizer.variables
     else:
         variables = optimizer.scratch_variables() if scratch else optimizer.state_variables()
-    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
+    return variables_bytes(variables)
 
 
 def time_steps(model, x, y, batch, steps):

@@ -126,8 +126,7 @@ def _update_distinct(updater, table, slots, uniq, summed, count, finite, learnin
     if backend.fused_apply(updater, table, slots, uniq, summed, learning_rate, finite):
         return
     names = sorted(slots)
-    # Each slot's stochastic rounding bits follow its place in `updater.slots`.
-    index = {spec.name: i + 1 for i, spec in enumerate(updater.slots)}
+    index = precision.variable_indices(updater)  # each variable's own rounding bits
 
     def update(variables, uniq, summed):
         table, state_vars = variables[0], dict(zip(names, variables[1:]))

@@ -134,8 +134,8 @@ class TableTrainer:
             return
         rows, state = self._caught_up(steps_done)
         self._write_whole(self.table, rows, steps_done, 0)
-        for i, spec in enumerate(self.updater.slots):
-            self._write_whole(self.slots[spec.name], state[spec.name], steps_done, i + 1)
+        for name, index in precision.variable_indices(self.updater).items():
+            self._write_whole(self.slots[name], state[name], steps_done, index)
 
     def _write_whole(self, variable, values, step, variable_index):
         """Assigns every row, rounded as the step's writes are."""
