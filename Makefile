@@ -56,7 +56,7 @@ test-tensorflow: $(STAMP)
 
 # The benchmark suite (docs/benchmarks.md): full run ~45 min + the production-shaped
 # grid (dlrm_step.py) ~40 min + every updater (updaters.py) ~3 min + table precision
-# (precision.py, each backend) ~15 min; quick ~15 min.
+# (precision.py, both backends) ~15 min; quick ~10 min.
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
 	$(BIN)/python benchmarks/dlrm_step.py
