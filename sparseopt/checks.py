@@ -93,17 +93,24 @@ def install_options(names, scaled, optimizers):
 
 
 def replicas(tables):
-    """Refuses replicas that would each run their own step and write their own rows (TF).
+    """Refuses TF strategies whose replicas sparseopt cannot keep in step.
+
+    `tf.distribute.MirroredStrategy` is supported: its replicas gather each
+    other's row gradients and apply the same update to their own copies.
 
     Args:
         tables: the sparse tables' paths.
     """
-    count = backend.replicas_running_alone()
-    if count > 1:
+    found = backend.replica_strategy()
+    if found is None:
+        return
+    name, count, supported = found
+    if not supported:
         raise ValueError(
             f"DispatchOptimizer: the sparse tables {tables} would be trained by "
-            f"{count} replicas of a TensorFlow distribution strategy, each "
-            "running its own step and writing its own rows, which sparseopt does "
-            "not support. Train on one device, or shard the tables on JAX with "
-            "keras.distribution (see sparseopt.distribution.row_sharded)."
+            f"{count} replicas of tf.distribute.{name}, which sparseopt does not "
+            "support: its replicas would each write their own copy of each table. "
+            "Use tf.distribute.MirroredStrategy (the local devices of one machine), "
+            "train on one device, or shard the tables on JAX with keras.distribution "
+            "(see sparseopt.distribution.row_sharded)."
         )

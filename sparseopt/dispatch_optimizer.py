@@ -37,7 +37,9 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
 
     Under a `keras.distribution` (JAX), each table's state is split like the
     table, and a table split by rows is updated on each shard, in place (see
-    `sparseopt.distribution`). TensorFlow distribution strategies are refused.
+    `sparseopt.distribution`). Under a TensorFlow `MirroredStrategy`, every
+    replica gathers the row gradients of all replicas and applies the same
+    update to its own copy of each table; other TF strategies are refused.
 
     Args:
         optimizer: the Keras optimizer (instance or name) for dense variables.
@@ -342,7 +344,8 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                     ids, grads = found
                     if self.loss_scale_factor is not None:
                         grads = row_grads.scale(grads, 1.0 / self.loss_scale_factor)
-                    rows[id(trainer)] = (ids, grads)
+                    # TF MirroredStrategy: every replica's rows, applied by each.
+                    rows[id(trainer)] = backend.all_replicas(ids, grads)
             grouped = set()
             for group in self._groups:
                 looked_up = [(t, *rows[id(t)]) for t in group.trainers if id(t) in rows]

@@ -331,35 +331,6 @@ def test_checkpoint_of_a_different_optimizer_is_an_error_not_a_partial_load(tmp_
         late.optimizer.build(late.trainable_variables)
 
 
-@pytest.mark.skipif(keras.backend.backend() != "tensorflow",
-                    reason="JAX's keras.distribution is supported (tests/test_sharded.py)")
-def test_tf_strategy_replicas_are_refused():
-    """A TF MirroredStrategy over 2 CPUs: each replica would write its own rows."""
-    script = """
-import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import keras
-import numpy as np, sparseopt
-from tests.helpers import dot_loss
-with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
-    ids = keras.Input((4,), dtype="int32")
-    emb = sparseopt.layers.SparseEmbedding(40, 3, sparseopt.updaters.SGD(0.5), name="e")
-    model = keras.Model(ids, emb(ids))
-    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()), loss=dot_loss)
-try:
-    model.fit(np.ones((8, 4), "int32"), np.ones((8, 4, 3), "float32"), verbose=0)
-except ValueError as e:
-    print("refused:", e)
-"""
-    env = dict(os.environ, PYTHONPATH=ROOT, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "refused:" in proc.stdout and "'e/embeddings'" in proc.stdout
-    assert "by 2 replicas" in proc.stdout and "row_sharded" in proc.stdout
-
-
 def test_table_health_logs_dropped_ids_and_warns_once_per_increase():
     model, emb = table_model(VOCAB, WIDTH, 4, sparseopt.updaters.SGD(0.1))
     model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()), loss=dot_loss)

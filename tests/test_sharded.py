@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 if keras.backend.backend() != "jax":
-    pytest.skip("keras.distribution shards variables on JAX; TensorFlow strategies are "
-                "refused (test_hostile_inputs.py::test_tf_strategy_replicas_are_refused)",
+    pytest.skip("keras.distribution shards variables on JAX; TensorFlow's "
+                "MirroredStrategy is tested in tests/test_replicas.py",
                 allow_module_level=True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

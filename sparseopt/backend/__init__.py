@@ -37,9 +37,14 @@ Each backend module provides:
 - `SPARSE_GRADIENTS` / `gradient_slices(grad)` / `gather_from_resource(var,
   ids)`: whether a gather's gradient is sparse (TF), its `(ids, row_grads)`,
   and such a gather (`None` on JAX).
-- `replicas_running_alone()`: how many replicas would each run their own
-  copy of the train step and write their own rows (TF distribution
-  strategies); 1 where a distribution compiles one global program (JAX).
+- `replica_strategy()`: `(name, replicas, supported)` of a strategy whose
+  replicas each run their own copy of the train step and hold their own
+  copy of each table (TF distribution strategies), or None (one replica, or
+  JAX, where a distribution compiles one global program);
+  `all_replicas(ids, grads)`: every replica's row gradients of the step,
+  gathered (unchanged outside replicas); `sum_over_replicas(value)`: a
+  value summed over them; `replica_id()`: the replica being traced (0
+  outside replicas).
 - `row_shards(variable)` / `on_row_shards(apply, shards, ...)`: where a
   table is split by rows over devices, `(mesh, axis)`, and running an update
   on each shard with the ids it owns (JAX; `None` / never on TF).
@@ -55,13 +60,15 @@ if keras.backend.backend() == "jax":
         PROBE_IS_WEIGHT, SPARSE_GRADIENTS, WORKSPACE, WORKSPACE_SINK, bitcast, dedup,
         fill_in_blocks, for_distinct_rows, fused_apply, gather, materialize, split_by_table,
         gather_from_resource, gradient_slices, has_int64, on_row_shards, outside_trace,
-        read_pooled, read_rows, replicas_running_alone, row_shards, scatter, tap, trace_token)
+        read_pooled, read_rows, replica_strategy, all_replicas, replica_id, row_shards, scatter,
+        sum_over_replicas, tap, trace_token)
 elif keras.backend.backend() == "tensorflow":
     from sparseopt.backend.tensorflow import (  # noqa: F401
         PROBE_IS_WEIGHT, SPARSE_GRADIENTS, WORKSPACE, WORKSPACE_SINK, bitcast, dedup,
         fill_in_blocks, for_distinct_rows, fused_apply, gather, materialize, split_by_table,
         gather_from_resource, gradient_slices, has_int64, on_row_shards, outside_trace,
-        read_pooled, read_rows, replicas_running_alone, row_shards, scatter, tap, trace_token)
+        read_pooled, read_rows, replica_strategy, all_replicas, replica_id, row_shards, scatter,
+        sum_over_replicas, tap, trace_token)
 else:
     raise ImportError(
         f"sparseopt supports the 'jax' and 'tensorflow' Keras backends; the "

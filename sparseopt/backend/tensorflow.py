@@ -6,6 +6,7 @@ table) and hands them to the optimizer as `(ids, grads)`, i.e. the two halves
 of the lookup's `tf.IndexedSlices`.
 """
 
+import keras
 import tensorflow as tf
 from sparseopt import compat, row_grads
 from sparseopt.backend import tensorflow_kernels
@@ -16,7 +17,10 @@ def tap(rows, probe, ids, on_backward, aux=None):
     def _tap(rows, probe):
         def grad(g):
             on_backward(ids, g, aux)
-            finite = tf.reduce_all(tf.math.is_finite(g))
+            # Over all replicas: Keras' LossScaleOptimizer decides on the
+            # first replica's gradients only (MirroredStrategy).
+            infinite = tf.cast(tf.logical_not(tf.reduce_all(tf.math.is_finite(g))), tf.int32)
+            finite = tf.equal(sum_over_replicas(infinite), 0)
             marker = tf.where(finite, tf.constant(1.0, probe.dtype), tf.constant(float("nan"), probe.dtype))
             return None, marker
 
@@ -65,7 +69,7 @@ def dedup(ids, grads, num_rows, workspace):
     ids = tf.cast(ids, tf.int64)
     num_rows = tf.constant(num_rows, tf.int64)
     at = tf.where((ids >= 0) & (ids < num_rows), ids, num_rows)  # invalid: the sink
-    space = workspace.value
+    space = local(workspace)
     space.scatter_update(tf.IndexedSlices(tf.range(tf.size(ids, out_type=tf.int32)), at))
     representative = tf.gather(space, at)
     # Few ids: op by op (an XLA compilation per shape costs more than it saves).
@@ -160,14 +164,49 @@ def has_int64():
 
 
 def row_shards(variable):
-    return None  # tables are never split over devices on TF (strategies are refused)
+    return None  # tables are never split over devices on TF (replicas hold whole copies)
 
 
 on_row_shards = None
 
 
-def replicas_running_alone():
-    return tf.distribute.get_strategy().num_replicas_in_sync
+def replica_strategy():
+    """`(strategy class name, replicas, supported)` of a TF strategy with several replicas.
+
+    None with one replica. Supported: `tf.distribute.MirroredStrategy`, whose
+    replicas run in one process and reach each other's ids and row
+    gradients (`all_replicas`).
+    """
+    strategy = tf.distribute.get_strategy()
+    count = strategy.num_replicas_in_sync
+    if count == 1:
+        return None
+    return type(strategy).__name__, count, isinstance(strategy, tf.distribute.MirroredStrategy)
+
+
+def all_replicas(ids, grads):
+    """The `(ids, grads)` of every replica of the step, in replica order.
+
+    Inside a replica of a strategy with several replicas, each replica's
+    `(ids, row gradients)` are gathered (`ReplicaContext.all_gather`: ids and
+    rows, never a table-sized gradient), so that every replica applies the
+    same summed update to its own copy of the table. Elsewhere: unchanged.
+    Keras divides each replica's loss by the number of replicas, so the
+    gathered gradients sum to the global batch's.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return ids, grads
+    ids = context.all_gather(ids, axis=0)
+    if isinstance(grads, row_grads.BagGrads):
+        # Bag numbers are per replica: shift them past the earlier replicas' bags.
+        bags = tf.shape(grads.values, out_type=grads.bag.dtype)[:1]
+        counts = context.all_gather(bags, axis=0)
+        offset = tf.reduce_sum(counts[:context.replica_id_in_sync_group])
+        return ids, row_grads.BagGrads(context.all_gather(grads.values, axis=0),
+                                       context.all_gather(grads.bag + offset, axis=0),
+                                       context.all_gather(grads.weight, axis=0))
+    return ids, context.all_gather(grads, axis=0)
 
 
 def outside_trace():
@@ -181,6 +220,41 @@ def trace_token(value=None):
     return tf.compat.v1.get_default_graph()
 
 
+def sum_over_replicas(value):
+    """`value` summed over the replicas of the step (unchanged outside replicas)."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return value
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+
+def local(variable):
+    """The `tf.Variable` this replica reads and writes, of a Keras variable (or its value).
+
+    A `MirroredStrategy` variable holds one copy per replica; inside a
+    replica, its own copy, so that reads stay `ResourceGather`s (a
+    `tf.gather` of the mirrored variable reads it whole) and writes stay in
+    place on that copy. Elsewhere the variable itself.
+    """
+    var = variable.value if isinstance(variable, keras.Variable) else variable
+    if (not isinstance(var, tf.distribute.DistributedValues)
+            or tf.distribute.in_cross_replica_context()):
+        return var
+    return tf.distribute.get_strategy().experimental_local_results(var)[replica_id()]
+
+
+def replica_id():
+    """Which replica of a `MirroredStrategy` step is being traced (0 outside one).
+
+    Its replicas are traced into one graph, interleaved: each must take its
+    own lookups' row gradients.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        return 0
+    return int(tf.get_static_value(context.replica_id_in_sync_group))
+
+
 def read_rows(table, ids):
     """Forward lookup of valid `ids` in a Keras variable (no gradient to it).
 
@@ -188,7 +262,7 @@ def read_rows(table, ids):
     a second reference to its buffer and make the later in-place scatter copy
     the table first.
     """
-    return tf.stop_gradient(tf.gather(table.value, ids))
+    return tf.stop_gradient(tf.gather(local(table), ids))
 
 
 # Pooled reads of fewer ids than this run op by op.
@@ -209,8 +283,8 @@ def read_pooled(table, ids, weight, dtype):
         # One id per bag: nothing to fuse; few ids: a compiled call costs
         # about 0.1 ms to launch and a compilation per shape. Eager:
         # compiling would cost more than it saves.
-        return tf.stop_gradient(_pooled_sum(table.value, ids, weight, dtype))
-    return tf.stop_gradient(_compiled_pooled_sum(table.value, ids, weight, dtype))
+        return tf.stop_gradient(_pooled_sum(local(table), ids, weight, dtype))
+    return tf.stop_gradient(_compiled_pooled_sum(local(table), ids, weight, dtype))
 
 
 def _pooled_sum(table, ids, weight, dtype):
@@ -227,11 +301,11 @@ _compiled_pooled_sum = tf.function(_pooled_sum, jit_compile=True, autograph=Fals
 
 def gather_from_resource(variable, ids):
     """Rows of a Keras variable by `ResourceGather`; the gradient is `IndexedSlices`."""
-    return tf.gather(variable.value, ids)
+    return tf.gather(local(variable), ids)
 
 
 def gather(value, ids):
-    return tf.gather(value, ids)
+    return tf.gather(local(value), ids)
 
 
 def bitcast(values, dtype):
@@ -239,7 +313,7 @@ def bitcast(values, dtype):
 
 
 def scatter(variable, ids, rows):
-    var = variable.value
+    var = local(variable)
     var.scatter_update(tf.IndexedSlices(tf.cast(rows, var.dtype), ids))
 
 
@@ -268,8 +342,8 @@ def fused_apply(updater, table, slots, ids, grads, learning_rate, finite):
         # 16-bit tables and state are rounded by sparseopt (`precision`), not
         # to nearest by the kernel.
         return False
-    var = table.value
-    handles = {name: slot.value.handle for name, slot in slots.items()}
+    var = local(table)
+    handles = {name: local(slot).handle for name, slot in slots.items()}
     grads = tf.cast(grads, var.dtype)
     learning_rate = tf.cast(learning_rate, var.dtype)
 

@@ -82,8 +82,9 @@ class SparseLookup:
         # Weak: the optimizer finds the declaring layer through the lookup,
         # and a lookup must not keep a deleted model's layer alive.
         self._layer = weakref.ref(layer)
-        self._records = []  # (trace, ids, row_grads) from backward passes
-        self._dropped = 0  # records a forward pass of another trace discarded
+        # Per replica (TF MirroredStrategy traces its replicas into one graph):
+        self._records = {}  # replica -> [(trace, ids, row_grads)] from backward passes
+        self._dropped = {}  # replica -> records a forward pass of another trace discarded
         table._sparseopt_lookup = self
         self.probe._sparseopt_probe_of = self
 
@@ -106,8 +107,9 @@ class SparseLookup:
                 recorded and then discarded by a forward pass of another trace
                 (or an eager one): the table's update would be lost silently.
         """
-        records, self._records = self._records, []
-        dropped, self._dropped = self._dropped, 0
+        replica = backend.replica_id()
+        records = self._records.pop(replica, [])
+        dropped = self._dropped.pop(replica, 0)
         if not records and dropped:
             raise ValueError(
                 f"DispatchOptimizer: table '{self.table.path}' (layer '{self.layer_name}') "
@@ -129,10 +131,11 @@ class SparseLookup:
         # trace stay: a forward call between the gradient and `apply` (a
         # custom train step computing metrics) must not lose them. Eager
         # code has no trace to tell steps apart: a forward call starts anew.
-        token = backend.trace_token(ids)
-        kept = [r for r in self._records if token is not None and r[0] == token]
-        self._dropped += len(self._records) - len(kept)
-        self._records = kept
+        token, replica = backend.trace_token(ids), backend.replica_id()
+        records = self._records.get(replica, [])
+        kept = [r for r in records if token is not None and r[0] == token]
+        self._dropped[replica] = self._dropped.get(replica, 0) + len(records) - len(kept)
+        self._records[replica] = kept
 
     def valid(self, ids):
         """Boolean mask of the ids inside `[0, num_rows)`."""
@@ -183,7 +186,9 @@ class SparseLookup:
         check_ids_dtype(ids, self.layer_name, self.table.path)
         self._forget_other_traces(ids)
         valid = self.valid(ids)
-        self.num_dropped_ids.assign_add(ops.sum(ops.cast(ops.logical_not(valid), "int32")))
+        dropped = ops.sum(ops.cast(ops.logical_not(valid), "int32"))
+        # Every replica (TF MirroredStrategy) counts the whole step's, in its copy.
+        self.num_dropped_ids.assign_add(backend.sum_over_replicas(dropped))
         safe_ids = ops.where(valid, ids, 0)
         update_ids = ops.reshape(ops.where(valid, ids, self.table.shape[0]), (-1,))
         return valid, safe_ids, update_ids
@@ -195,8 +200,7 @@ class SparseLookup:
 
     def _on_backward(self, ids, grads, aux=None):
         width = self.table.shape[1]
-        self._records.append((backend.trace_token(grads), ops.reshape(ids, (-1,)),
-                              ops.reshape(grads, (-1, width))))
+        self._record(grads, ops.reshape(ids, (-1,)), ops.reshape(grads, (-1, width)))
 
     def _on_backward_pooled(self, ids, grads, weight):
         values = ops.reshape(grads, (-1, self.table.shape[1]))
@@ -204,8 +208,11 @@ class SparseLookup:
         n, bags = ops.shape(ids)[0], ops.shape(values)[0]
         per_bag = ops.maximum(ops.floor_divide(n, ops.maximum(bags, 1)), 1)
         bag = ops.floor_divide(ops.arange(n, dtype="int32"), ops.cast(per_bag, "int32"))
-        self._records.append((backend.trace_token(grads), ids,
-                              row_grads.BagGrads(values, bag, weight)))
+        self._record(grads, ids, row_grads.BagGrads(values, bag, weight))
+
+    def _record(self, traced, ids, grads):
+        self._records.setdefault(backend.replica_id(), []).append(
+            (backend.trace_token(traced), ids, grads))
 
 
 def check_ids_dtype(ids, layer_name, table_path):

@@ -1,0 +1,151 @@
+"""Sparse tables under TensorFlow `MirroredStrategy` (4 logical CPU devices).
+
+The runs happen in a child process (`tests/jobs/replicas_job.py`): the
+logical devices are fixed when TensorFlow starts. Every replica gathers the
+ids and row gradients of all replicas and applies the same summed update to
+its own copy of each table: results equal one device at the global batch
+(and Keras' own dense SGD under the same strategy), and every copy is the
+same.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+if keras.backend.backend() != "tensorflow":
+    pytest.skip("tf.distribute strategies are TensorFlow's; JAX shards tables with "
+                "keras.distribution (tests/test_sharded.py)", allow_module_level=True)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPLICAS = 4
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    target = tmp_path_factory.mktemp("replicas")
+    env = dict(os.environ, PYTHONPATH=ROOT, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.run([sys.executable, "-m", "tests.jobs.replicas_job", str(target)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return target
+
+
+def _npz(out, name):
+    return np.load(os.path.join(out, f"{name}.npz"))
+
+
+def _json(out, name):
+    with open(os.path.join(out, f"{name}.json")) as f:
+        return json.load(f)
+
+
+def _paths(arrays, prefix):
+    return sorted(k[len(prefix) + 1:] for k in arrays.files if k.startswith(prefix + "/"))
+
+
+@pytest.mark.parametrize("run", ["multi", "grouped"])
+def test_replicas_train_every_variable_like_one_device_at_the_global_batch(out, run):
+    arrays, report = _npz(out, "fit"), _json(out, "fit")
+    scratch = set(report["scratch"])
+    want = [p for p in _paths(arrays, "single") if p not in scratch]
+    assert any("accumulator" in p for p in want) and any("momentum" in p for p in want)
+    for path in want:
+        got = arrays[f"{run}/{path}@0"]
+        np.testing.assert_allclose(got, arrays[f"single/{path}"], rtol=1e-5, atol=1e-6,
+                                   err_msg=path)
+    # It trained: every table moved.
+    for path in [p for p in _paths(arrays, "init") if p.endswith("/embeddings")]:
+        assert not np.array_equal(arrays[f"single/{path}"], arrays[f"init/{path}"]), path
+    assert report[run]["dropped"] == report["single"]["dropped"]
+    assert report["single"]["dropped"]["user/embeddings"] > 0
+    assert report["single"]["dropped"]["tag/embeddings"] > 0
+    assert report[run]["skipped"] == report["single"]["skipped"]
+    groups = [["user/embeddings", "user2/embeddings"]] if run == "grouped" else []
+    assert report[run]["groups"] == groups
+
+
+@pytest.mark.parametrize("run", ["multi", "grouped"])
+def test_every_replica_holds_the_same_copy_of_every_table_and_its_state(out, run):
+    arrays = _npz(out, "fit")
+    paths = sorted({k[len(run) + 1:].rsplit("@", 1)[0] for k in arrays.files
+                    if k.startswith(run + "/")})
+    assert any("embeddings" in p for p in paths)
+    for path in paths:
+        first = arrays[f"{run}/{path}@0"]
+        for replica in range(1, REPLICAS):
+            np.testing.assert_array_equal(arrays[f"{run}/{path}@{replica}"], first,
+                                          err_msg=f"{path} replica {replica}")
+
+
+def test_rows_no_replica_touched_stay_bit_for_bit(out):
+    arrays = _npz(out, "fit")
+    # "item" ids are drawn from its first 8 rows only.
+    for run in ("multi", "grouped"):
+        for replica in range(REPLICAS):
+            got = arrays[f"{run}/item/embeddings@{replica}"]
+            np.testing.assert_array_equal(got[8:], arrays["init/item/embeddings"][8:])
+            assert not np.array_equal(got[:8], arrays["init/item/embeddings"][:8])
+
+
+def test_a_checkpoint_saved_by_replicas_loads_on_one_device_bit_for_bit(out):
+    arrays, report = _npz(out, "fit"), _json(out, "fit")
+    scratch = set(report["scratch"])
+    loaded = [p for p in _paths(arrays, "loaded") if p not in scratch]
+    assert any("momentum" in p for p in loaded)
+    for path in loaded:
+        np.testing.assert_array_equal(arrays[f"loaded/{path}"], arrays[f"grouped/{path}@0"],
+                                      err_msg=path)
+
+
+@pytest.mark.parametrize("examples", [70, 66])
+def test_batches_that_split_unevenly_match_keras_dense_sgd_under_the_same_strategy(
+        out, examples):
+    """70 and 66 examples by 16: the last batch gives replicas 2,2,1,1 and 1,1,0,0."""
+    arrays = _npz(out, "uneven")
+    for i in range(3):  # table, head kernel, head bias
+        np.testing.assert_allclose(arrays[f"{examples}/sparse/{i}"],
+                                   arrays[f"{examples}/dense/{i}"], rtol=1e-5, atol=1e-6)
+    assert arrays[f"{examples}/sparse/replicas_equal"]
+    assert arrays[f"{examples}/dense/replicas_equal"]
+
+
+def test_loss_scaling_skips_the_step_everywhere_when_one_replica_overflows(out):
+    """Step 2's loss is infinite on replica 3 only. Keras' LossScaleOptimizer
+    decides on replica 0's gradients; the tables' probe gradient carries the
+    overflow of every replica, so the step is skipped on all of them."""
+    arrays, report = _npz(out, "scaled"), _json(out, "scaled")
+    assert report["multi"] == report["single"]
+    assert report["single"]["scale"] == 2.0**9  # halved once
+    for path in _paths(arrays, "single"):
+        got = arrays[f"multi/{path}"]
+        assert np.all(np.isfinite(got)), path
+        np.testing.assert_allclose(got, arrays[f"single/{path}"], rtol=1e-5, atol=1e-6,
+                                   err_msg=path)
+    table = [arrays[f"copies/table/embeddings@{r}"] for r in range(REPLICAS)]
+    for copy in table[1:]:
+        np.testing.assert_array_equal(copy, table[0])
+
+
+def test_a_replica_step_gathers_ids_and_rows_never_a_table_sized_tensor(out):
+    """A custom loop's step (`strategy.run`) with a plain, a pooled and a keras-rs
+    table of 9,973 rows: no op of the traced step outputs a table-sized
+    dimension (a whole-table read or a dense gradient would)."""
+    report = _json(out, "graph")
+    assert report["table_sized"] == []
+    assert report["ops"].get("CollectiveGatherV2", 0) > 0
+    assert report["ops"].get("ResourceGather", 0) > 0
+    assert report["changed_rows"] == {"plain/embeddings": 48, "bag/embeddings": 48,
+                                      "de/rs/embeddings": 48}
+
+
+def test_other_strategies_are_refused_naming_the_table_and_what_works(out):
+    message = _json(out, "refused")["message"]
+    assert message is not None
+    assert "'e/embeddings'" in message and "2 replicas of tf.distribute.CentralStorageStrategy" \
+        in message
+    assert "MirroredStrategy" in message and "row_sharded" in message
