@@ -5,14 +5,17 @@ rows), bags of ids from a skewed distribution, a Dense tower with Adam. Each
 device count runs in its own process (JAX fixes the device count at start;
 `--xla_force_host_platform_device_count`), with the tables row-sharded by
 `sparseopt.distribution.row_sharded` (1 device: no distribution), updated
-both ways: "every" (every shard takes every id) and "routed" (each id sent to
-its owner; forced on from 2 shards here, to show the crossover). The
+both ways: "every" (every shard takes every id; lookups by XLA's
+partitioner) and "routed" (each id sent to its owner, for the update and the
+lookup; forced on from 2 shards here, to show the crossover). The
 processes are timed round-robin, side by side, and each reports:
 
 - median ms per step of the compiled train step (state donated, as `fit`);
-- the ids each shard dedups per table and round, and the bytes the update's
-  own collectives bring each device (from the HLO), and the routed rounds
-  each timed batch takes (`sparseopt.distribution.routed_rounds`);
+- the ids each shard dedups per table and round, the rows it reads for the
+  lookups, and the bytes the update's and the lookups' own collectives bring
+  each device (from the HLO of the train step and of the forward pass), and
+  the routed rounds each timed batch takes
+  (`sparseopt.distribution.routed_rounds`);
 - bytes per device of the tables and their optimizer state (shards held);
 - the compiled step's scratch memory per device (XLA's memory analysis);
 - bytes each device receives in collectives per step (from the HLO), and
@@ -81,7 +84,6 @@ def child(args):
         batches.append((xb, (rng.random((args.batch, 1)) < 0.3).astype("float32")))
     compiled = compile_train_step(model, *batches[0])
     inputs = [step_inputs(model, xb, yb)[1] for xb, yb in batches]
-    state = step_inputs(model, *batches[0])[0]
 
     held = bytes_per_device(
         [v for n in tables for t in [model.optimizer.table_trainer(f"{n}_table/embeddings")]
@@ -94,7 +96,17 @@ def child(args):
     every = [c for c in moved if c.kind == "all-gather" and c.shapes
              and c.shapes[0][:1] == (ids_per_table,)]
     routed = [c for c in moved if c.kind == "all-to-all"]
+    # The lookups' own collectives: those of the forward pass alone (Keras'
+    # predict step on the same batch: the train step's forward does the same).
+    state, data = step_inputs(model, *batches[0])
+    looked_up = collectives(jax.jit(model.predict_step).lower(
+        state[:2], (data[0],)).compile().as_text())
+    lookup_bytes = sum(c.nbytes for c in looked_up)
+    # Routed, the lookups' all-to-alls are in the train step too: the update's
+    # are the others.
     taken = routed if args.path == "routed" and devices > 1 else every
+    update_bytes = sum(c.nbytes for c in taken) - (
+        sum(c.nbytes for c in looked_up if c.kind == "all-to-all") if taken is routed else 0)
     result = {
         "devices": devices,
         "path": args.path,
@@ -105,9 +117,17 @@ def child(args):
             [sum(math.prod(s) for s in c.shapes if len(s) == (2 if c.kind == "all-to-all"
                                                              else 1)) for c in taken]
             or [ids_per_table]),
-        # The table updates' own collectives on the way taken (per round), and
-        # everything the step moves on that way (lookups, dense gradients too).
-        "update_collective_bytes_per_device": sum(c.nbytes for c in taken),
+        # Rows each shard gathers per table and round for the lookups: routed,
+        # the ids it is asked for ([shards, capacity]); else every looked-up id
+        # (XLA's partitioner reads each shard's rows for all of them).
+        "lookup_entries_per_device_per_table": max(
+            [sum(math.prod(s) for s in c.shapes if len(s) == 2)
+             for c in looked_up if c.kind == "all-to-all"] or [ids_per_table]),
+        # The table updates' own collectives on the way taken (per round), the
+        # lookups' (per round where routed), and everything the step moves on
+        # that way (dense gradients too).
+        "update_collective_bytes_per_device": update_bytes,
+        "lookup_collective_bytes_per_device": lookup_bytes,
         "step_collective_bytes_per_device": (
             sum(c.nbytes for c in moved) - (sum(c.nbytes for c in every) if taken is routed
                                             else 0)),
@@ -190,17 +210,18 @@ def estimate(results, args):
                                 "gb_per_device": total / devices / 1e9}
     out["collective_gb_per_device_per_step"] = per_id_elem * ids * args.est_width / 1e9
     if routed is not None:
-        # Routed, the update's collectives bring each device about
-        # `ROUTE_CAPACITY / devices` of the ids (one round: ids spread over
-        # the shards): measured at `most` devices, scaled to the estimate's
-        # device count. The rest (lookups, dense gradients) does not scale.
+        # Routed, the lookups' and the update's collectives each bring a
+        # device about `ROUTE_CAPACITY / devices` of the ids (one round: ids
+        # spread over the shards): measured at `most` devices, scaled to the
+        # estimate's device count. The rest (dense gradients) does not scale.
         scale = routed["ids_per_step"] * args.width
         update = routed["update_collective_bytes_per_device"] / scale
-        rest = (routed["step_collective_bytes_per_device"]
-                - routed["update_collective_bytes_per_device"]) / scale
-        out["routed_measured_bytes_per_id_per_width"] = {"update": update, "rest": rest}
+        lookup = routed["lookup_collective_bytes_per_device"] / scale
+        rest = routed["step_collective_bytes_per_device"] / scale - update - lookup
+        out["routed_measured_bytes_per_id_per_width"] = {"update": update, "lookup": lookup,
+                                                         "rest": rest}
         out["routed_collective_gb_per_device_per_step"] = {
-            rule: (rest + update * most / o["devices"]) * ids * args.est_width / 1e9
+            rule: (rest + (update + lookup) * most / o["devices"]) * ids * args.est_width / 1e9
             for rule, o in out["options"].items()}
     out["single_device_ms_per_1k_ids"] = min(one["times_ms"]) / one["ids_per_step"] * 1e3
     return out
@@ -255,9 +276,10 @@ def main():
     print("| Devices | way | ms/step | vs 1 device | tables+state per device (MB) | vs 1 device "
           "| step scratch per device (MB) | ids each shard dedups per table (of "
           f"{args.batch * args.bag:,}) | update collectives per device (KB) "
+          "| rows each shard reads per table | lookup collectives per device (KB) "
           "| all collectives per device per step (KB) | table-sized collectives "
           "| rounds per batch |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     held1 = results[0]["table_and_state_bytes_per_device"]
     for r in results:
         ms = statistics.median(r["times_ms"])
@@ -269,6 +291,8 @@ def main():
               f"| {r['scratch_bytes_per_device'] / 1e6:.2f} "
               f"| {r['dedup_entries_per_device_per_table']:,} "
               f"| {r['update_collective_bytes_per_device'] / 1e3:.0f} "
+              f"| {r['lookup_entries_per_device_per_table']:,} "
+              f"| {r['lookup_collective_bytes_per_device'] / 1e3:.0f} "
               f"| {r['step_collective_bytes_per_device'] / 1e3:.0f} "
               f"| {r['table_sized_collectives']} | {rounds_} |")
     est = estimate(results, args)
@@ -288,9 +312,10 @@ def main():
           "CPU device (each shard processes every id of the step)")
     if "routed_collective_gb_per_device_per_step" in est:
         measured = est["routed_measured_bytes_per_id_per_width"]
-        print(f"  routed: {measured['update']:.2f} B per id per width element for the update "
-              f"(per round) and {measured['rest']:.2f} for the rest at the largest device count "
-              "measured; at the devices above: " + ", ".join(
+        print(f"  routed: {measured['update']:.2f} B per id per width element for the update, "
+              f"{measured['lookup']:.2f} for the lookups (per round) and {measured['rest']:.2f} "
+              "for the rest at the largest device count measured; at the devices above: "
+              + ", ".join(
                   f"{rule} {gb:.3f} GB" for rule, gb in
                   est["routed_collective_gb_per_device_per_step"].items())
               + " per device per step")
@@ -305,14 +330,22 @@ def plot(results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (a, c, b) = plt.subplots(1, 3, figsize=(15, 3.8))
     one = [r for r in results if r["devices"] == 1]
     for way, label in (("every", "every shard takes every id"),
                        ("routed", "ids routed to their owner")):
         runs = one + [r for r in results if r["path"] == way and r["devices"] > 1]
         a.plot([r["devices"] for r in runs], [statistics.median(r["times_ms"]) for r in runs],
                "o-", label=label)
+        runs = runs[1:]
+        c.plot([r["devices"] for r in runs],
+               [r["step_collective_bytes_per_device"] / 1e6 for r in runs], "o-", label=label)
     a.legend()
+    c.legend()
+    n = sorted({r["devices"] for r in results if r["devices"] > 1})
+    c.set_xscale("log", base=2)
+    c.set(xticks=n, xticklabels=n, xlabel="devices", ylabel="MB per device per step (round)",
+          title="Collectives: lookups, updates, dense", ylim=(0, None))
     results = [r for r in results if r["path"] == "every"]
     n = [r["devices"] for r in results]
     a.set_xscale("log", base=2)
@@ -325,7 +358,7 @@ def plot(results, path):
     b.set_yscale("log", base=2)
     b.set(xticks=n, xticklabels=n, yticks=held, yticklabels=[f"{h:.0f}" for h in held],
           xlabel="devices", ylabel="MB per device", title="Tables + optimizer state per device")
-    for ax in (a, b):
+    for ax in (a, b, c):
         ax.minorticks_off()
     b.legend()
     fig.tight_layout()

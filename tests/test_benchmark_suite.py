@@ -115,7 +115,7 @@ def test_soak_runs_end_to_end_and_judges_memory(tmp_path):
 @pytest.mark.backend_independent  # benchmarks/sharded.py runs its children on JAX
 def test_sharded_benchmark_runs_and_measures_each_device_count(tmp_path):
     """A tiny run: 1 and 8 devices (both ways) side by side, memory 1/n, no table-sized
-    collective, routed ids 1/4 of every id."""
+    collective, routed ids (updates and lookups) 1/4 of every id."""
     import json
     import os
     import subprocess
@@ -142,6 +142,10 @@ def test_sharded_benchmark_runs_and_measures_each_device_count(tmp_path):
     every, routed = results[1], results[2]
     assert every["dedup_entries_per_device_per_table"] == 2048
     assert routed["dedup_entries_per_device_per_table"] == 8 * 87
+    # Lookups too: each shard reads the rows of 8 buckets, not of every id.
+    assert every["lookup_entries_per_device_per_table"] == 2048
+    assert routed["lookup_entries_per_device_per_table"] == 8 * 87
+    assert routed["lookup_collective_bytes_per_device"] < every["lookup_collective_bytes_per_device"]
     assert routed["step_collective_bytes_per_device"] < every["step_collective_bytes_per_device"]
     assert run_["estimate"]["measured_state_bytes"] == run_["estimate"]["formula_state_bytes"]
     assert "WARNING" not in proc.stdout and (tmp_path / "sharded.png").exists()

@@ -226,8 +226,20 @@ def trace_token(value=None):
 
 
 def read_rows(table, ids):
-    """Forward lookup of valid `ids` in a Keras variable (no gradient to it)."""
-    return gather_rows(jax.lax.stop_gradient(table.value), ids)
+    """Forward lookup of valid `ids` in a Keras variable (no gradient to it).
+
+    A table split by rows over a mesh axis that also splits the batch, from
+    `ROUTE_MIN_SHARDS` shards: each device asks each id's owner for its row
+    (`_routed_read`). Elsewhere a gather, which XLA's partitioner splits
+    (every shard reads its rows for every id; the results are summed).
+    """
+    value = jax.lax.stop_gradient(table.value)
+    shards = row_shards(table)
+    if shards is not None and ids.ndim > 0:
+        mesh, axis = shards
+        if mesh.shape[axis] >= ROUTE_MIN_SHARDS and _batch_axis(mesh, ids.shape[0]) == axis:
+            return _routed_read(value, ids, mesh, axis)
+    return gather_rows(value, ids)
 
 
 # Bags up to this many ids are summed in an unrolled sequence of gathers.
@@ -525,6 +537,63 @@ def _routed(update, values, ids, grads, learning_rate, step, start, mesh, axis, 
     values, _, applied, _ = jax.lax.while_loop(
         again, round_, (values, sent, finite, finite))
     return values, applied
+
+
+def _routed_read(value, ids, mesh, axis):
+    """`value[ids]` where `value`'s rows and the batch are split over `axis`.
+
+    Each device takes its part of the batch, dedups its ids (sorted, so
+    each owner's ids form one run) and sends each owner at most
+    `route_capacity` of them per round (an all-to-all of `[n, capacity]`
+    ids); each owner gathers those rows from its block and sends them back
+    (an all-to-all of `[n, capacity, width]` rows). More ids for one owner
+    than a bucket holds take more rounds. Each device then spreads its
+    distinct rows back over its ids. Invalid ids read zeros.
+    """
+    n = mesh.shape[axis]
+    rows, width = value.shape[0] // n, value.shape[1]
+
+    def local(block, ids):
+        flat = ids.reshape(-1).astype(jnp.int32)
+        m = flat.shape[0]
+        start = jax.lax.axis_index(axis) * rows
+        keys = jnp.where((flat >= 0) & (flat < n * rows), flat, _NO_ID)
+        order = jnp.argsort(keys)
+        ordered = keys[order]
+        first = jnp.concatenate([jnp.ones((1,), bool), ordered[1:] != ordered[:-1]])
+        segment = jnp.cumsum(first, dtype=jnp.int32) - 1
+        distinct = jnp.full((m,), _NO_ID, jnp.int32).at[segment].set(ordered)
+        which = jnp.zeros((m,), jnp.int32).at[order].set(segment)  # each id's distinct entry
+        edge = jnp.searchsorted(distinct, jnp.arange(n + 1, dtype=jnp.int32) * rows,
+                                side="left").astype(jnp.int32)
+        begin, end = edge[:-1], edge[1:]
+        capacity = route_capacity(m, n)
+        slot = jnp.arange(capacity, dtype=jnp.int32)
+
+        def round_(carry):
+            found, sent, _ = carry
+            position = begin[:, None] + sent[:, None] + slot[None, :]  # [owners, capacity]
+            take = position < end[:, None]
+            asked = jax.lax.all_to_all(
+                jnp.where(take, jnp.take(distinct, position, mode="clip"), -1), axis, 0, 0)
+            mine = gather_rows(block, jnp.where(asked >= 0, asked - start, 0).reshape(-1),
+                               mode="clip").reshape(n, capacity, width)
+            mine = jnp.where((asked >= 0)[..., None], mine, jnp.zeros((), block.dtype))
+            back = jax.lax.all_to_all(mine, axis, 0, 0)
+            found = found.at[jnp.where(take, position, m)].set(back, mode="drop")
+            sent = sent + jnp.sum(take, axis=1, dtype=jnp.int32)
+            more = jax.lax.pmax(jnp.any(begin + sent < end).astype(jnp.int32), axis) > 0
+            return found, sent, more
+
+        found = jnp.zeros((m, width), block.dtype)
+        found, _, _ = jax.lax.while_loop(
+            lambda carry: carry[2], round_,
+            (found, jnp.zeros((n,), jnp.int32), jnp.array(True)))
+        return found[which].reshape(ids.shape + (width,))
+
+    spec = jax.sharding.PartitionSpec(axis)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec), out_specs=spec,
+                         check_vma=False)(value, ids)
 
 
 def fused_apply(updater, table, slots, ids, grads, learning_rate, finite):

@@ -216,7 +216,8 @@ def run_routing(layout, out):
     """One Adagrad table on fixed row gradients (`sum(y * rows)`), under `layout`,
     for 12 steps: 6 of uniform ids (each device's ids for each shard fit one
     bucket: one round) then 6 whose ids all fall in the first shard's rows
-    (they do not: several rounds). Leaves `<layout>_routing.npz` and, in
+    (they do not: several rounds); then the lookups of the first and last
+    batch (`predict`). Leaves `<layout>_routing.npz` and, in
     `<layout>_routing.json`, the rounds each step takes (`_rounds`)."""
     rows, width, n_ids = 1024, 8, 4
     rng = np.random.default_rng(9)
@@ -234,10 +235,18 @@ def run_routing(layout, out):
     model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()),
                   loss=lambda t, p: keras.ops.sum(t * p, axis=(1, 2)))
     model.fit(x.astype("int32"), y, batch_size=BATCH, shuffle=False, verbose=0)
+    # Lookups of the first (uniform, some invalid) and last (one shard) batch.
+    looked_up = {}
+    for part, rows_of in (("uniform", slice(0, BATCH)), ("one_shard", slice(-BATCH, None))):
+        looked_up[f"ids_{part}"] = x[rows_of].astype("int32")
+        if part == "uniform":
+            looked_up[f"ids_{part}"][0, :2] = (-1, rows)  # invalid: read zeros
+        looked_up[f"lookup_{part}"] = to_numpy(model.predict(
+            looked_up[f"ids_{part}"], batch_size=BATCH, verbose=0))
     np.savez(os.path.join(out, f"{layout}_routing.npz"),
              table=to_numpy(emb.embeddings.value),
              accumulator=to_numpy(model.optimizer.table_state(
-                 emb.embeddings)["accumulator"].value))
+                 emb.embeddings)["accumulator"].value), **looked_up)
     with open(os.path.join(out, f"{layout}_routing.json"), "w") as f:
         json.dump({"rounds": _rounds(layout, x, rows)}, f)
 
