@@ -468,6 +468,29 @@ def _batch_axis(mesh, num_ids):
 _NO_ID = np.iinfo(np.int32).max  # sorts after every row; never sent
 
 
+def _owner_runs(keys, first_row, owners, rows):
+    """A device's distinct ids, ascending, and where each owner's run of them lies.
+
+    Args:
+        keys: int32 `[m]` ids, `_NO_ID` for those not to send.
+        first_row: the first row of the first owner.
+        owners: how many consecutive blocks of `rows` rows to split into.
+
+    Returns:
+        `(order, segment, distinct, begin, end)`: the stable sorting order of
+        `keys`, each sorted key's entry in `distinct` (`[m]`, padded with
+        `_NO_ID`), and each owner's run `[begin, end)` in `distinct`.
+    """
+    order = jnp.argsort(keys, stable=True)
+    ordered = keys[order]
+    first = jnp.concatenate([jnp.ones((1,), bool), ordered[1:] != ordered[:-1]])
+    segment = jnp.cumsum(first, dtype=jnp.int32) - 1
+    distinct = jnp.full(keys.shape, _NO_ID, jnp.int32).at[segment].set(ordered)
+    bounds = first_row + jnp.arange(owners + 1, dtype=jnp.int32) * rows
+    edge = jnp.searchsorted(distinct, bounds, side="left").astype(jnp.int32)
+    return order, segment, distinct, edge[:-1], edge[1:]
+
+
 def _routed(update, values, ids, grads, learning_rate, step, start, mesh, axis, batch_axis,
             rows):
     """The routed way of `on_row_shards`, inside `shard_map`: `(values, applied)`.
@@ -482,19 +505,11 @@ def _routed(update, values, ids, grads, learning_rate, step, start, mesh, axis, 
     valid = (ids >= 0) & (ids < n * rows)
     if not same_axis:
         valid &= (ids >= start) & (ids < start + rows)
-    keys = jnp.where(valid, ids, _NO_ID)
-    order = jnp.argsort(keys, stable=True)
-    ordered = keys[order]
-    first = jnp.concatenate([jnp.ones((1,), bool), ordered[1:] != ordered[:-1]])
-    segment = jnp.cumsum(first, dtype=jnp.int32) - 1
-    distinct = jnp.full(ids.shape, _NO_ID, jnp.int32).at[segment].set(ordered)
+    order, segment, distinct, begin, end = _owner_runs(
+        jnp.where(valid, ids, _NO_ID), (0 if same_axis else start), owners, rows)
     summed = jax.ops.segment_sum(grads[order].astype(jnp.float32), segment,
                                  num_segments=ids.shape[0])
     capacity = route_capacity(ids.shape[0], n)
-    # Each owner's run: [begin, end) in `distinct`.
-    bounds = (0 if same_axis else start) + jnp.arange(owners + 1, dtype=jnp.int32) * rows
-    edge = jnp.searchsorted(distinct, bounds, side="left").astype(jnp.int32)
-    begin, end = edge[:-1], edge[1:]
     # All of a step's gradients must be applied or none (a non-finite one skips it).
     finite = jax.lax.pmin(jnp.all(jnp.isfinite(summed)).astype(jnp.int32),
                           tuple(mesh.axis_names)) > 0
@@ -557,16 +572,9 @@ def _routed_read(value, ids, mesh, axis):
         flat = ids.reshape(-1).astype(jnp.int32)
         m = flat.shape[0]
         start = jax.lax.axis_index(axis) * rows
-        keys = jnp.where((flat >= 0) & (flat < n * rows), flat, _NO_ID)
-        order = jnp.argsort(keys)
-        ordered = keys[order]
-        first = jnp.concatenate([jnp.ones((1,), bool), ordered[1:] != ordered[:-1]])
-        segment = jnp.cumsum(first, dtype=jnp.int32) - 1
-        distinct = jnp.full((m,), _NO_ID, jnp.int32).at[segment].set(ordered)
+        order, segment, distinct, begin, end = _owner_runs(
+            jnp.where((flat >= 0) & (flat < n * rows), flat, _NO_ID), 0, n, rows)
         which = jnp.zeros((m,), jnp.int32).at[order].set(segment)  # each id's distinct entry
-        edge = jnp.searchsorted(distinct, jnp.arange(n + 1, dtype=jnp.int32) * rows,
-                                side="left").astype(jnp.int32)
-        begin, end = edge[:-1], edge[1:]
         capacity = route_capacity(m, n)
         slot = jnp.arange(capacity, dtype=jnp.int32)
 
