@@ -40,7 +40,7 @@ def test_sharded_example_splits_tables_and_trains():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "sharded_dlrm.py"), "--examples",
-         "30000", "--validation", "5000", "--chunks", "1", "--scale", "0.1"],
+         "12000", "--validation", "4000", "--chunks", "1", "--scale", "0.1"],
         cwd=ROOT, env=dict(env, TF_CPP_MIN_LOG_LEVEL="3"), capture_output=True, text=True,
         timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

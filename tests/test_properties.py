@@ -98,7 +98,7 @@ def cases(draw):
             draw(steps(vocab)))
 
 
-# Examples per run: the Hypothesis profile (tests/conftest.py): 200 by default,
+# Examples per run: the Hypothesis profile (tests/conftest.py): 120 by default,
 # 1000 with `make test-all` (`--hypothesis-profile=full`).
 @settings(deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=cases())
