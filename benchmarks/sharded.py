@@ -91,11 +91,12 @@ def child(args):
     moved = collectives(compiled.as_text())
     largest_table_rows = {rows // devices for rows, _, _ in tables.values()}
     ids_per_table = args.batch * args.bag
-    # The every-id way: all-gathers of a table's ids [ids] and gradients [ids, width];
-    # in a routed step it is the overflow branch, never taken with these ids (below).
+    # The every-id way: all-gathers of a table's ids [ids] and gradients [ids, width]
+    # (a routed step has none: the way is chosen when the step is traced).
     every = [c for c in moved if c.kind == "all-gather" and c.shapes
              and c.shapes[0][:1] == (ids_per_table,)]
     routed = [c for c in moved if c.kind == "all-to-all"]
+    moved_bytes = sum(c.nbytes for c in moved)
     # The lookups' own collectives: those of the forward pass alone (Keras'
     # predict step on the same batch: the train step's forward does the same).
     state, data = step_inputs(model, *batches[0])
@@ -128,14 +129,12 @@ def child(args):
         # that way (dense gradients too).
         "update_collective_bytes_per_device": update_bytes,
         "lookup_collective_bytes_per_device": lookup_bytes,
-        "step_collective_bytes_per_device": (
-            sum(c.nbytes for c in moved) - (sum(c.nbytes for c in every) if taken is routed
-                                            else 0)),
+        "step_collective_bytes_per_device": moved_bytes,
         "rounds_per_batch": rounds(batches, tables, devices)
         if args.path == "routed" and devices > 1 else None,
         "table_and_state_bytes_per_device": max(held.values()),
         "scratch_bytes_per_device": compiled.memory_analysis().temp_size_in_bytes,
-        "collective_bytes_per_device": sum(c.nbytes for c in moved),
+        "collective_bytes_per_device": moved_bytes,
         "collectives": len(moved),
         "table_sized_collectives": sum(
             1 for c in moved for s in c.shapes if s and s[0] in largest_table_rows),

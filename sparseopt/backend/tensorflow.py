@@ -194,8 +194,8 @@ def all_replicas(ids, grads):
     Keras divides each replica's loss by the number of replicas, so the
     gathered gradients sum to the global batch's.
     """
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
+    context = _replica_context()
+    if context is None:
         return ids, grads
     ids = context.all_gather(ids, axis=0)
     if isinstance(grads, row_grads.BagGrads):
@@ -222,10 +222,18 @@ def trace_token(value=None):
 
 def sum_over_replicas(value):
     """`value` summed over the replicas of the step (unchanged outside replicas)."""
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
+    context = _replica_context()
+    if context is None:
         return value
     return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+
+def _replica_context():
+    """The replica context of a step with several replicas, else None."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return None
+    return context
 
 
 def local(variable):
