@@ -85,9 +85,10 @@ def child(args):
     compiled = compile_train_step(model, *batches[0])
     inputs = [step_inputs(model, xb, yb)[1] for xb, yb in batches]
 
-    held = bytes_per_device(
-        [v for n in tables for t in [model.optimizer.table_trainer(f"{n}_table/embeddings")]
-         for v in (t.table, *t.saved_variables, *t.scratch_variables)])
+    table_variables = [
+        v for n in tables for t in [model.optimizer.table_trainer(f"{n}_table/embeddings")]
+        for v in (t.table, *t.saved_variables, *t.scratch_variables)]
+    held = bytes_per_device(table_variables)
     moved = collectives(compiled.as_text())
     largest_table_rows = {rows // devices for rows, _, _ in tables.values()}
     ids_per_table = args.batch * args.bag
@@ -133,6 +134,8 @@ def child(args):
         "rounds_per_batch": rounds(batches, tables, devices)
         if args.path == "routed" and devices > 1 else None,
         "table_and_state_bytes_per_device": max(held.values()),
+        # Of which, per table: its skip counter and hyperparameters (4-byte scalars).
+        "table_scalar_bytes": 4 * sum(1 for v in table_variables if not len(v.shape)),
         "scratch_bytes_per_device": compiled.memory_analysis().temp_size_in_bytes,
         "collective_bytes_per_device": moved_bytes,
         "collectives": len(moved),
@@ -182,10 +185,10 @@ def estimate(results, args):
     routed = next((r for r in results if r["devices"] == most and r["path"] == "routed"), None)
     # Bytes per row: the row (4 * width), the dedup workspace (4) and the
     # rule's state (row-wise Adagrad 4, Adagrad 4 * width, FTRL 8 * width).
-    # The formula must give the measured bytes (plus two 4-byte skip
-    # counters) before it is used at another width.
+    # The formula must give the measured bytes (plus each table's 4-byte
+    # scalars: skip counter, hyperparameters) before it is used at another width.
     expected = (args.rows * (4 * args.width + 8)
-                + args.rows // 4 * (8 * args.width + 4)) + 2 * 4
+                + args.rows // 4 * (8 * args.width + 4)) + one["table_scalar_bytes"]
     measured = one["table_and_state_bytes_per_device"]
     if measured != expected:
         print(f"WARNING: measured state {measured} B != per-row formula {expected} B")

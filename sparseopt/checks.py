@@ -4,7 +4,62 @@ Called when the optimizer is built, before any step: every refusal is a
 `ValueError` that names the tables (or variable) and says what to change.
 """
 
+import keras
+
 from sparseopt import backend
+from sparseopt.updaters import Updater
+
+
+def assigned(value, owner):
+    """What `owner` assigns a variable is a Keras optimizer or an updater, not a wrapper.
+
+    Args:
+        value: the assigned optimizer or updater.
+        owner: who assigned it, for the message (an `optimizer_map` entry, a
+            layer, a variable's `optimizer` attribute).
+    """
+    if not isinstance(value, (Updater, keras.optimizers.Optimizer)):
+        raise TypeError(
+            f"DispatchOptimizer: {owner} must be a Keras optimizer or a sparseopt "
+            f"updater, got {value!r}.")
+    wrappers = (keras.optimizers.LossScaleOptimizer, keras.optimizers.MultiOptimizer)
+    if isinstance(value, wrappers) or hasattr(value, "table_trainers"):
+        raise ValueError(
+            f"DispatchOptimizer: {owner} assigns {type(value).__name__} '{value.name}', "
+            "which wraps other optimizers; assign the plain Keras optimizer (or an "
+            "updater) and wrap the DispatchOptimizer itself instead.")
+
+
+# Keras optimizer arguments a DispatchOptimizer does not take, and where they go.
+_ELSEWHERE = {
+    "weight_decay": "the wrapped Keras optimizer (dense variables) and each table's updater "
+                    "(`weight_decay=`, decoupled like Keras')",
+    "clipnorm": "the wrapped Keras optimizer (per dense variable) and each table's updater "
+                "(`clipnorm=`, per row), or use `global_clipnorm` here (one norm over "
+                "everything)",
+    "clipvalue": "the wrapped Keras optimizer and each table's updater (`clipvalue=`, the same "
+                 "clip)",
+    "use_ema": "the wrapped Keras optimizer (dense variables) and each table's updater "
+               "(`ema_momentum=`)",
+    "ema_momentum": "the wrapped Keras optimizer and each table's updater (`ema_momentum=`)",
+    "ema_overwrite_frequency": "the wrapped Keras optimizer (dense variables only)",
+}
+
+
+def dispatch_arguments(kwargs):
+    """Refuses the Keras optimizer arguments that `DispatchOptimizer` does not take.
+
+    Each acts on variables one optimizer owns: it goes on the wrapped Keras
+    optimizer or on the updaters, never silently nowhere.
+
+    Args:
+        kwargs: the keyword arguments given to `DispatchOptimizer`.
+    """
+    for name in kwargs:
+        if name in _ELSEWHERE and kwargs[name] not in (None, False):
+            raise ValueError(
+                f"DispatchOptimizer: `{name}` is not an argument of the DispatchOptimizer; "
+                f"set it on {_ELSEWHERE[name]}.")
 
 
 def table(var, updater, lookup, owner):
@@ -55,10 +110,10 @@ def dense_options(optimizers, tables):
         if opt.gradient_accumulation_steps:
             raise ValueError(
                 f"DispatchOptimizer: `gradient_accumulation_steps="
-                f"{opt.gradient_accumulation_steps}` on {opt.name} is not supported "
-                f"with sparse tables {tables}: accumulating their updates would "
-                "need table-sized buffers. Remove it and use a larger batch "
-                "(or accumulate in a custom train_step)."
+                f"{opt.gradient_accumulation_steps}` on {opt.name} (a Keras optimizer of "
+                f"`optimizer_map`) would accumulate its variables alone, out of step with "
+                f"the sparse tables {tables}. Set it on the DispatchOptimizer (or the "
+                "optimizer it wraps): everything then accumulates together."
             )
 
 
@@ -69,7 +124,8 @@ def install_options(names, scaled, optimizers):
         names: the installed variables' paths.
         scaled: whether the loss is scaled (`loss_scale_factor` or a wrapping
             `LossScaleOptimizer`).
-        optimizers: the Keras optimizers of the dense variables.
+        optimizers: the `DispatchOptimizer` and the Keras optimizers of the
+            dense variables.
     """
     shown = names[:4] + (["..."] if len(names) > 4 else [])
     if scaled:
@@ -90,6 +146,13 @@ def install_options(names, scaled, optimizers):
                 "applies the table update; accumulating would mix tables. Remove "
                 "it and use a larger batch."
             )
+    if optimizers and optimizers[0].global_clipnorm:
+        raise ValueError(
+            f"DispatchOptimizer: `global_clipnorm={optimizers[0].global_clipnorm}` (one norm "
+            f"over every gradient) is not supported with keras-rs SparseCore tables {shown}: "
+            "their backward pass applies their update, which the optimizer never sees to "
+            "clip. Use `clipnorm` on the wrapped optimizer (dense variables only), or place "
+            "these tables with `placement='default_device'`.")
 
 
 def replicas(tables):

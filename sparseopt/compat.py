@@ -95,6 +95,15 @@ def embedding_variable(layer):
     return layer._embeddings
 
 
+def uses_weight_decay(optimizer, variable):
+    """Whether `optimizer`'s `exclude_from_weight_decay` rules leave `variable` decayed.
+
+    Keras' own test (`Optimizer._use_weight_decay`): the variable is not in
+    the excluded list and no excluded name pattern is found in its name.
+    """
+    return bool(optimizer._use_weight_decay(variable))
+
+
 def sublayers(model):
     """Every layer inside `model`, recursively (Keras' own traversal)."""
     return list(model._flatten_layers(include_self=False, recursive=True))
@@ -136,6 +145,31 @@ def model_building(optimizer):
         for model in candidates:
             if _wraps(getattr(model, "optimizer", None), optimizer):
                 return model
+        frame = frame.f_back
+    return None
+
+
+def training_batch(optimizer):
+    """A batch of the data `optimizer` is being built to train on, or None.
+
+    Keras' trainer builds the optimizer in `Model._symbolic_build(iterator=...,
+    data_batch=...)`, where `data_batch` (or the epoch iterator's first
+    batch, which `fit` rewinds right after, as Keras itself reads it there)
+    is at hand. Found on the call stack, like `model_building`.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        local = frame.f_locals
+        owner = local.get("self")
+        if frame.f_code.co_name == "_symbolic_build" and isinstance(owner, keras.Model) \
+                and _wraps(getattr(owner, "optimizer", None), optimizer):
+            batch = local.get("data_batch")
+            iterator = local.get("iterator")
+            if batch is None and iterator is not None:
+                for _, _, data in iterator:  # Keras' own peek
+                    batch = data[0] if isinstance(data, (list, tuple)) else next(data)
+                    break
+            return batch
         frame = frame.f_back
     return None
 

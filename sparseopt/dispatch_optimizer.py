@@ -7,7 +7,7 @@ import keras
 from keras import ops
 import numpy as np
 
-from sparseopt import backend, checks, compat, row_grads
+from sparseopt import accumulation, backend, checks, clipping, compat, row_grads
 from sparseopt.discovery import declared_tables
 from sparseopt.keras_rs_tables import read_by_gather, read_sparsely
 from sparseopt.table_trainer import LookupRows, SlicedRows, TableTrainer, group_trainers
@@ -27,8 +27,15 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
 
     Loss scaling (`loss_scale_factor`, `keras.optimizers.LossScaleOptimizer`)
     reaches the tables: they see the true gradient, and a step skipped for
-    non-finite gradients leaves them untouched. Clipping, weight decay and EMA
-    of the Keras optimizer act on dense variables only.
+    non-finite gradients leaves them untouched. `global_clipnorm` is one norm
+    over the dense gradients and the tables' (`sparseopt.clipping`). Keras'
+    learning-rate callbacks reach the tables in proportion (each updater's
+    `follow_learning_rate`), and every updater hyperparameter can change
+    between steps (`sparseopt.updaters.hyperparameters`).
+    `exclude_from_weight_decay` applies to the dense optimizers and to the
+    tables' `weight_decay`. The wrapped optimizer's `clipnorm`, `clipvalue`,
+    `weight_decay` and `use_ema` act on dense variables only (each updater
+    has its own).
 
     With `group_tables=True`, tables with the same width, dtype and updater
     configuration are updated together (`sparseopt.table_trainer.TableGroup`:
@@ -52,10 +59,23 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             on CPU it is slower today at production shapes (one large dedup
             is costlier than many small ones; see docs/design.md).
         name: optional name.
+        global_clipnorm: clip all gradients, dense and tables', by one
+            norm over all of them (Keras' `global_clipnorm` on the same model
+            trained densely). A `global_clipnorm` on `optimizer` means the
+            same (it is moved here).
+        gradient_accumulation_steps: apply the mean gradient of this many
+            micro-batches once (Keras' `gradient_accumulation_steps`, tables
+            included, `sparseopt.accumulation`). On `optimizer` it means the
+            same (it is moved here).
+        accumulation_ids_per_step: `{table path: ids per step}`, the size of
+            each table's accumulation buffers. Found from the first batch
+            when built, and kept in the config (a loaded model rebuilds its
+            buffers from it); give it only to build without a batch.
+        loss_scale_factor: as Keras optimizers' (default: `optimizer`'s).
     """
 
     def __init__(self, optimizer, optimizer_map=None, group_tables=False, name=None,
-                 **kwargs):
+                 accumulation_ids_per_step=None, **kwargs):
         optimizer = keras.optimizers.get(optimizer)
         if isinstance(optimizer, (DispatchOptimizer, keras.optimizers.LossScaleOptimizer)):
             raise ValueError(
@@ -63,24 +83,44 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                 "wrap the DispatchOptimizer instead: "
                 "`LossScaleOptimizer(DispatchOptimizer(Adam()))`."
             )
+        checks.dispatch_arguments(kwargs)
+        if optimizer.global_clipnorm:
+            # One norm over everything, taken here (the wrapped optimizer
+            # would clip the dense gradients by their own norm only).
+            given = kwargs.get("global_clipnorm")
+            if given and given != optimizer.global_clipnorm:
+                raise ValueError(
+                    f"DispatchOptimizer: global_clipnorm={given} and the wrapped "
+                    f"optimizer's global_clipnorm={optimizer.global_clipnorm} differ; set one.")
+            kwargs["global_clipnorm"] = optimizer.global_clipnorm
+            optimizer.global_clipnorm = None
+        if optimizer.gradient_accumulation_steps:
+            # Accumulated here, tables and dense variables alike (`sparseopt.accumulation`).
+            given = kwargs.get("gradient_accumulation_steps")
+            if given and given != optimizer.gradient_accumulation_steps:
+                raise ValueError(
+                    f"DispatchOptimizer: gradient_accumulation_steps={given} and the "
+                    "wrapped optimizer's gradient_accumulation_steps="
+                    f"{optimizer.gradient_accumulation_steps} differ; set one.")
+            kwargs["gradient_accumulation_steps"] = optimizer.gradient_accumulation_steps
+            optimizer.gradient_accumulation_steps = None
         loss_scale_factor = kwargs.pop("loss_scale_factor", optimizer.loss_scale_factor)
         super().__init__(learning_rate=0.0, name=name, **kwargs)
         self._default_optimizer = optimizer
+        self._accumulator = None  # gradient accumulation's buffers, once built
+        self.accumulation_ids_per_step = dict(accumulation_ids_per_step or {})
         self.group_tables = bool(group_tables)
         self._optimizer_map = {}
         for key, value in (optimizer_map or {}).items():
             if isinstance(value, dict):
                 value = keras.saving.deserialize_keras_object(value)
-            if not isinstance(value, (Updater, keras.optimizers.Optimizer)):
-                raise TypeError(
-                    f"DispatchOptimizer: optimizer_map['{key}'] must be a Keras "
-                    f"optimizer or a sparseopt updater, got {value!r}."
-                )
+            checks.assigned(value, f"optimizer_map['{key}']")
             self._optimizer_map[key] = value
-        self._dense_optimizers = [optimizer] + [
-            v for v in self._optimizer_map.values()
-            if isinstance(v, keras.optimizers.Optimizer) and v is not optimizer
-        ]
+        # Each Keras optimizer once, however many entries name it: it builds
+        # slots for the union of its variables and steps them once per step.
+        self._dense_optimizers = [optimizer]
+        for value in self._optimizer_map.values():
+            self._add_dense_optimizer(value)
         # One loss scale for everything, as MultiOptimizer does.
         self.loss_scale_factor = loss_scale_factor
 
@@ -97,13 +137,89 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         return list(self._dense_optimizers)
 
     @property
+    def gradient_accumulation_steps(self):
+        """k: the micro-batches whose mean gradient each update applies (None: 1).
+
+        Set at construction (or on the wrapped optimizer). Keras' base class
+        would build a full-size accumulator for every variable, tables too;
+        it sees None while it builds, and `sparseopt.accumulation` keeps
+        buffers sized by the ids instead.
+        """
+        if self.__dict__.get("_building_base"):
+            return None
+        return self.__dict__.get("_accumulation_steps")
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, value):
+        if getattr(self, "built", False):
+            raise ValueError("DispatchOptimizer: `gradient_accumulation_steps` cannot change "
+                             "once the optimizer is built.")
+        self.__dict__["_accumulation_steps"] = value
+
+    @property
     def learning_rate(self):
+        """The wrapped optimizer's learning rate: what Keras' callbacks read and set.
+
+        Tables follow it in proportion (`learning_rate_scale`); the Keras
+        optimizers of `optimizer_map` keep their own.
+        """
         return self._default_optimizer.learning_rate
 
     @learning_rate.setter
     def learning_rate(self, value):
         if hasattr(self, "_default_optimizer"):
             self._default_optimizer.learning_rate = value
+
+    def sync_training_state(self):
+        """Writes the state `fit` holds outside the variables back into them (JAX).
+
+        JAX's `fit` threads the state through its steps and writes it to the
+        variables when a callback reads `self.model`; assigning a variable
+        without that (an updater's hyperparameter set mid-epoch) would be
+        overwritten by the stale state. This syncs first, so that the next
+        step reads every variable afresh. Nothing to do on TensorFlow.
+        """
+        model = self._model() if getattr(self, "_model", None) is not None else None
+        if model is not None and hasattr(model, "jax_state_sync"):
+            model.jax_state_sync()
+
+    def learning_rate_scale(self):
+        """The wrapped optimizer's learning rate now over its value when training began.
+
+        A table whose updater has `follow_learning_rate=True` (the default)
+        trains at its own rate times this: a callback that halves the model's
+        rate halves the tables', one that sets it to 0 stops them. 1 where
+        the wrapped rate is a schedule (no callback can set it; each table
+        keeps its own schedule) or was 0 when training began.
+        """
+        rate = self._default_optimizer.learning_rate
+        start = getattr(self, "_rate_at_start", None)
+        if start is None or not isinstance(rate, keras.Variable):
+            return ops.ones((), "float32")
+        start = ops.cast(start.value, "float32")
+        now = ops.cast(rate.value, "float32")
+        return ops.where(start > 0, now / ops.where(start > 0, start, 1.0), 1.0)
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """Keras' `exclude_from_weight_decay`, for the dense optimizers and the tables.
+
+        Forwarded to every Keras optimizer of the dense variables (those
+        found when the optimizer is built too). A table it names (by Keras'
+        rules: the variable itself, or a regex of `var_names` found in its
+        name) is not decayed by its updater's `weight_decay`.
+
+        Args:
+            var_list: variables to exclude.
+            var_names: substrings or regexes of the variable names to exclude.
+        """
+        if self.built:
+            raise ValueError(
+                "DispatchOptimizer: `exclude_from_weight_decay()` can only be configured "
+                "before the optimizer is built.")
+        # As Keras': each call replaces the previous one.
+        self._decay_exclusion = (var_list, var_names)
+        for opt in self._dense_optimizers:
+            opt.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
 
     @property
     def loss_scale_factor(self):
@@ -123,6 +239,33 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         return out
 
     # -- routing ------------------------------------------------------------
+
+    def _add_dense_optimizer(self, optimizer):
+        """Keeps `optimizer` (if it is a Keras one) among the dense optimizers, once."""
+        if isinstance(optimizer, keras.optimizers.Optimizer) and not any(
+                optimizer is o for o in self._dense_optimizers):
+            self._dense_optimizers.append(optimizer)
+            optimizer.loss_scale_factor = self.loss_scale_factor
+
+    def _assigned(self, var, found):
+        """`(optimizer or updater, who assigned it)` for `var`, or `(None, None)`.
+
+        `optimizer_map` first, then the variable's own `optimizer` attribute
+        (Keras PR #21196's per-variable optimizer), then what its layer
+        declares (`found`, from `sparseopt.discovery`).
+        """
+        target = self._lookup_map(var.path)
+        if target is not None:
+            return target, "optimizer_map"
+        own = getattr(var, "optimizer", None)
+        if own is not None:
+            owner = f"variable '{var.path}' (its `optimizer` attribute)"
+            checks.assigned(own, owner)
+            return own, owner
+        if found is not None:
+            checks.assigned(found.updater, found.owner)
+            return found.updater, found.owner
+        return None, None
 
     def _lookup_map(self, path):
         if path in self._optimizer_map:
@@ -157,7 +300,9 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         given, var_list = var_list, list(var_list)
         wrapper = compat.wrapper_building(self)
         self._scaling_wrapper = weakref.ref(wrapper) if wrapper is not None else None
-        declared = declared_tables(var_list, compat.model_building(self))
+        model = compat.model_building(self)
+        self._model = weakref.ref(model) if model is not None else None
+        declared = declared_tables(var_list, model)
         added = {}  # id(table) -> probe made while building (keras-rs tables, JAX)
         self._trainers = {}  # var key -> TableTrainer
         self._watched = {}  # var key -> TableTrainer reading that variable's gradient
@@ -174,10 +319,8 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                 # lookup's backward pass computes the new values.
                 self._installed[key] = var
                 continue
-            target, owner = self._lookup_map(var.path), "optimizer_map"
             found = declared.get(id(var))
-            if target is None and found is not None:
-                target, owner = found.updater, found.owner
+            target, owner = self._assigned(var, found)
             if isinstance(target, Updater):
                 if lookup is None and found is not None and found.keras_rs_layer is not None:
                     lookup = self._read_sparsely(found.keras_rs_layer, added, var)
@@ -196,7 +339,8 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                 )
             else:
                 opt = target or self._default_optimizer
-                dense[id(opt)].append(var)
+                self._add_dense_optimizer(opt)
+                dense.setdefault(id(opt), []).append(var)
                 self._route[key] = opt
         if self._trainers:
             checks.dense_options(self._dense_optimizers, sorted(self.table_trainers))
@@ -204,19 +348,40 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         if self._installed:
             scaled = self.loss_scale_factor is not None or self.loss_scaling_wrapper is not None
             checks.install_options(sorted(v.path for v in self._installed.values()), scaled,
-                                   self._dense_optimizers)
+                                   [self, *self._dense_optimizers])
+        exclusion = getattr(self, "_decay_exclusion", None)
         for opt in self._dense_optimizers:
-            opt.build(dense[id(opt)])
+            if exclusion is not None:  # again: some were found while building
+                opt.exclude_from_weight_decay(var_list=exclusion[0], var_names=exclusion[1])
+            opt.build(dense.get(id(opt), []))
+        for trainer in self._trainers.values():
+            # The wrapped optimizer's rules (set on it, or forwarded from here).
+            trainer.decays = compat.uses_weight_decay(self._default_optimizer, trainer.table)
         groups, _ = group_trainers(self._trainers.values()) if self.group_tables else ([], [])
         grouped = {id(t) for g in groups for t in g.trainers}
         self._groups = groups
         with keras.name_scope(self.name, caller=self):
+            # The wrapped learning rate when training begins: tables follow
+            # it in proportion (`learning_rate_scale`); saved, so a resumed run
+            # keeps the proportion.
+            rate = self._default_optimizer.learning_rate
+            with backend.outside_trace():  # TF builds optimizers inside the traced step
+                start = float(rate.numpy()) if isinstance(rate, keras.Variable) else 0.0
+            self._rate_at_start = self.add_variable(
+                shape=(), dtype="float32", initializer=keras.initializers.Constant(start),
+                name="learning_rate_at_start")
             # Table by table in the order found, grouped or not: the saved
             # state keeps its order whatever the grouping.
             for index, trainer in enumerate(self._trainers.values()):
                 trainer.build(self, workspace=id(trainer) not in grouped, index=index)
             for i, group in enumerate(groups):
                 group.build(self, f"table_group_{i}")
+            self._accumulator = None
+            if self.gradient_accumulation_steps:
+                self._accumulator = accumulation.Accumulator(self.gradient_accumulation_steps)
+                self._accumulator.build(
+                    self, [v for v in var_list if self._var_key(v) in self._route],
+                    list(self._trainers.values()), self._ids_per_step(model), self._var_key)
         # Each new probe sits right after its table, where the layer's
         # variables (its one weight, then its state) put it in the model's
         # trainable_variables: stateless
@@ -226,10 +391,47 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             # A wrapping LossScaleOptimizer builds itself from this same list
             # right after us, and pairs its gradients with it by position too.
             given[:] = ordered
-        super().build(ordered)
+        # Keras' base builds no full-size accumulators: `gradient_accumulation_steps`
+        # reads None while it builds (the tables' are `self._accumulator`).
+        self.__dict__["_building_base"] = True
+        try:
+            super().build(ordered)
+        finally:
+            self.__dict__["_building_base"] = False
         pending, self._pending_state = getattr(self, "_pending_state", None), None
         if pending is not None:
             self._assign_state(pending)
+
+    def _ids_per_step(self, model):
+        """`{id(trainer): ids its table looks up per step}`, for accumulation buffers.
+
+        Each `SparseLookup` counts the ids of the last forward pass it saw
+        with a known batch shape. TF builds the optimizer after the traced
+        forward pass; on JAX the model is traced on the first batch `fit` (or
+        `train_on_batch`) hands Keras' build, or counts come from an earlier
+        call of the model on a batch.
+        """
+        def counts():
+            given = self.accumulation_ids_per_step
+            return {id(t): given[t.name] if t.name in given else t.source.ids_per_step()
+                    for t in self._trainers.values()}
+
+        found = counts()
+        if None in found.values() and backend.trace_forward is not None and model is not None:
+            batch = compat.training_batch(self)
+            if batch is not None:
+                backend.trace_forward(model, batch)
+                found = counts()
+        missing = [t.name for t in self._trainers.values() if found[id(t)] is None]
+        if missing:
+            raise ValueError(
+                f"DispatchOptimizer: gradient_accumulation_steps needs to know how many ids "
+                f"tables {missing} look up per step, to size their buffers, but no batch of "
+                "known shape has gone through them. Call the model on one training batch "
+                "(`model(x)`) before building the optimizer yourself, let `fit` / "
+                "`train_on_batch` build it, or pass `accumulation_ids_per_step={path: n}`.")
+        self.accumulation_ids_per_step = {t.name: found[id(t)] for t in self._trainers.values()}
+        return found
 
     def _add_trainer(self, trainer):
         self._trainers[self._var_key(trainer.table)] = trainer
@@ -319,7 +521,7 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             self.build(trainable_variables)
         self._check_variables_are_known(trainable_variables)
 
-        by_opt = {id(opt): ([], []) for opt in self._dense_optimizers}
+        dense = {id(opt): ([], []) for opt in self._dense_optimizers}
         watched = {}
         for grad, var in zip(grads, trainable_variables):
             key = self._var_key(var)
@@ -329,13 +531,9 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                 # Install only: no scaling, clipping, decay or accumulation.
                 self._installed[key].assign(grad)
             elif key in self._route and grad is not None:
-                gs, vs = by_opt[id(self._route[key])]
+                gs, vs = dense[id(self._route[key])]
                 gs.append(grad)
                 vs.append(var)
-        for opt in self._dense_optimizers:
-            gs, vs = by_opt[id(opt)]
-            if gs:
-                opt.apply(gs, vs)
         with keras.name_scope(self.name, caller=self):
             rows = {}  # id(trainer) -> (ids, true row gradients) of this step
             for trainer in self._trainers.values():
@@ -344,18 +542,74 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                     ids, grads = found
                     if self.loss_scale_factor is not None:
                         grads = row_grads.scale(grads, 1.0 / self.loss_scale_factor)
-                    # TF MirroredStrategy: every replica's rows, applied by each.
-                    rows[id(trainer)] = backend.all_replicas(ids, grads)
-            grouped = set()
-            for group in self._groups:
-                looked_up = [(t, *rows[id(t)]) for t in group.trainers if id(t) in rows]
-                if looked_up:
-                    group.apply(looked_up, self._iterations)
-                grouped.update(id(t) for t in group.trainers)
-            for trainer in self._trainers.values():
-                if id(trainer) in rows and id(trainer) not in grouped:
-                    trainer.apply(*rows[id(trainer)], self._iterations)
+                    if self._accumulator is None:
+                        # TF MirroredStrategy: every replica's rows, applied by each.
+                        ids, grads = backend.all_replicas(ids, grads)
+                    rows[id(trainer)] = (ids, grads)
+            if self._accumulator is None:
+                self._step(dense, rows)
+            else:
+                self._accumulate(dense, rows)
         self._iterations.assign_add(1)
+
+    def _accumulate(self, dense, rows):
+        """A micro-step: adds its gradients, and on the k-th applies their mean.
+
+        Args:
+            dense, rows: as for `_step` (`rows` of this replica only).
+        """
+        steps, accumulator = self.gradient_accumulation_steps, self._accumulator
+        trainers = list(self._trainers.values())
+        micro = ops.mod(self._iterations, steps)
+        accumulator.add(micro, dense, rows, trainers, self._var_key)
+
+        def update():
+            means, every_row = accumulator.mean(dense, trainers, self._var_key)
+            self._step(means, every_row)
+            accumulator.reset()
+
+        # Everything the update reads or writes (JAX runs it as a cond over them).
+        backend.run_if(ops.equal(micro, steps - 1), update,
+                       [*self._trainable_variables, *self.variables])
+
+    def _step(self, dense, rows):
+        """One update: dense gradients to their Keras optimizers, row gradients to tables.
+
+        With `global_clipnorm`, every table's step is deduplicated first, one
+        norm is taken over the dense gradients and the tables' summed rows,
+        and all of them are scaled by Keras' factor (`sparseopt.clipping`).
+
+        Args:
+            dense: `{id(Keras optimizer): (gradients, variables)}`, gradients
+                as the model computed them (a `loss_scale_factor` not undone).
+            rows: `{id(TableTrainer): (ids, true row gradients)}`.
+        """
+        iteration = self.iterations
+        scale = self.learning_rate_scale() if self._trainers else None
+        units, grouped = [], set()  # (TableGroup or TableTrainer, its step's rows)
+        for group in self._groups:
+            looked_up = [(t, *rows[id(t)]) for t in group.trainers if id(t) in rows]
+            if looked_up:
+                units.append((group, (looked_up,)))
+            grouped.update(id(t) for t in group.trainers)
+        units += [(t, rows[id(t)]) for t in self._trainers.values()
+                  if id(t) in rows and id(t) not in grouped]
+        factor = prepared = None
+        if self.global_clipnorm:
+            prepared = [unit.prepare(*step) for unit, step in units]
+            norms = [clipping.squared_norm(backend.sum_over_replicas(g), self.loss_scale_factor)
+                     for gs, _ in dense.values() for g in gs]
+            factor = clipping.factor(norms + [p.squared_norm() for p in prepared],
+                                     self.global_clipnorm)
+        for opt in self._dense_optimizers:
+            gs, vs = dense[id(opt)]
+            if gs:
+                opt.apply(gs if factor is None else [clipping.scaled(g, factor) for g in gs], vs)
+        for i, (unit, step) in enumerate(units):
+            if prepared is None:
+                unit.apply(*step, iteration, scale)
+            else:
+                unit.finish(prepared[i], iteration, scale, factor)
 
     # -- saving: everything but the dedup workspace ---------------------------
 
@@ -394,11 +648,34 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             return
         self._assign_state(values)
 
+    def _layouts(self):
+        """The saved layouts this optimizer loads: `[[(variable or None, shape)], ...]`.
+
+        Today's (`state_variables()`), then sparseopt 0.2's: no learning rate
+        at start, no hyperparameter variables, and the slots a configuration
+        never reads (`Updater.unread_slots`, skipped when loading).
+        """
+        current = self.state_variables()
+        blocks = {id(t.saved_variables[0]): t for t in self._trainers.values()}
+        legacy, i = [], 0
+        while i < len(current):
+            variable = current[i]
+            trainer = blocks.get(id(variable))
+            if trainer is not None:
+                legacy += trainer.legacy_saved()
+                i += len(trainer.saved_variables)
+                continue
+            if variable is not self._rate_at_start:
+                legacy.append((variable, tuple(variable.shape)))
+            i += 1
+        return [[(v, tuple(v.shape)) for v in current], legacy]
+
     def _assign_state(self, values):
-        saved = self.state_variables()
-        mismatch = len(values) != len(saved) or any(
-            tuple(v.shape) != tuple(x.shape) for v, x in zip(saved, values))
-        if mismatch:
+        layouts = self._layouts()
+        found = [layout for layout in layouts if len(layout) == len(values) and all(
+            tuple(shape) == tuple(x.shape) for (_, shape), x in zip(layout, values))]
+        if not found:
+            saved = self.state_variables()
             want = [(v.path, tuple(v.shape)) for v in saved]
             got = [tuple(x.shape) for x in values]
             raise ValueError(
@@ -410,8 +687,18 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                 "to start the optimizer afresh."
             )
         with backend.outside_trace():  # TF builds optimizers inside the traced step
-            for variable, value in zip(saved, values):
-                variable.assign(value)
+            for (variable, _), value in zip(found[0], values):
+                if variable is not None:
+                    variable.assign(value)
+            if found[0] is not layouts[0]:
+                # Written before the start rate was kept: the tables trained at
+                # their own rates, so they go on from the rate they stopped at.
+                rate = self._default_optimizer.learning_rate
+                if isinstance(rate, keras.Variable):
+                    # A copy (JAX: two variables must not share a buffer the step donates).
+                    self._rate_at_start.assign(float(ops.convert_to_numpy(rate.value)))
+            for trainer in self._trainers.values():
+                trainer.read_hyperparameters()
 
     def catch_up_tables(self):
         """Brings every row of `lazy=False` and `ema_momentum` tables up to the current step.
@@ -427,11 +714,13 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             return
         steps_done = self._steps_done()
         with backend.outside_trace():
+            scale = self.learning_rate_scale()
             for trainer in trainers:
-                trainer.catch_up(steps_done)
+                trainer.catch_up(steps_done, scale)
 
     def _steps_done(self):
-        return int(ops.convert_to_numpy(self._iterations.value))
+        """The updates applied so far (micro-batches / k with gradient accumulation)."""
+        return int(ops.convert_to_numpy(self.iterations))
 
     def table_moving_average(self, table):
         """The moving average of a table whose updater has `ema_momentum` (a tensor).
@@ -443,7 +732,8 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         if trainer.updater.ema_momentum is None:
             raise ValueError(f"DispatchOptimizer '{self.name}': table '{trainer.name}' keeps "
                              "no moving average; give its updater `ema_momentum`.")
-        return trainer.moving_average(self._steps_done())
+        with backend.outside_trace():
+            return trainer.moving_average(self._steps_done(), self.learning_rate_scale())
 
     def finalize_variable_values(self, var_list):
         """Catches up every row, then gives `ema_momentum` tables their average (Keras' hook,
@@ -453,15 +743,19 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         if averaged:
             steps_done = self._steps_done()
             with backend.outside_trace():
+                scale = self.learning_rate_scale()
                 for trainer in averaged:
-                    trainer.use_moving_average(steps_done)
+                    trainer.use_moving_average(steps_done, scale)
         for opt in self._dense_optimizers:
             opt.finalize_variable_values(
                 [v for v in var_list if self._route.get(self._var_key(v)) is opt]
             )
 
     def get_config(self):
+        extra = {k: getattr(self, k) for k in ("global_clipnorm", "gradient_accumulation_steps",
+                                               "accumulation_ids_per_step") if getattr(self, k)}
         return {
+            **extra,
             "name": self.name,
             "group_tables": self.group_tables,
             "optimizer": keras.saving.serialize_keras_object(self._default_optimizer),

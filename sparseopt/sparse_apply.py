@@ -11,11 +11,15 @@ run on each shard, on the ids that shard owns.
 from keras import ops
 
 from sparseopt import backend, precision, row_grads
+from sparseopt.updaters import hyperparameters
 
 
 def sparse_apply(updater, table, slots, ids, grads, learning_rate, step, workspace=None,
-                 rounding=None):
+                 rounding=None, values=None):
     """Updates the touched rows of `table` and its `slots` in place.
+
+    `prepare` then `finish` (which is what a trainer runs, with global
+    clipping in between when asked).
 
     Args:
         updater: the `Updater` whose rule to apply.
@@ -32,55 +36,165 @@ def sparse_apply(updater, table, slots, ids, grads, learning_rate, step, workspa
             at least `V` entries for the dedup (contents do not matter).
         rounding: a `sparseopt.precision.Rounding`, how 16-bit rows and
             state are written; defaults to stochastic rounding with seed 0.
+        values: `{name: scalar tensor}`, every hyperparameter of the updater
+            for this step (a trainer's variables, `TableTrainer.values_at`);
+            None: the updater's own (`Updater.values_at`).
+
+    Returns:
+        A boolean scalar tensor: whether the update was applied.
+    """
+    if values is None:
+        values = {**updater.values_at(step), "learning_rate": learning_rate}
+    return finish(updater, table, slots, prepare(table, ids, grads, workspace), values, step,
+                  workspace, rounding)
+
+
+class Prepared:
+    """One table's step between its dedup and its rule.
+
+    A table on one device is deduplicated here, once (`distinct`); a table
+    whose rows are split over devices keeps the step's ids and gradients as
+    given (each shard deduplicates its own, `backend.on_row_shards`).
+
+    Args:
+        ids: int `[N]` ids of the step.
+        grads: their float32 gradients (`[N, D]` or `row_grads.BagGrads`).
+        finite: boolean scalar: whether every gradient is finite.
+        distinct: `(ids, grads, count)` from `backend.dedup`, or None.
+        num_rows: the table's rows.
+        workspace: the table's dedup workspace (or None).
+    """
+
+    def __init__(self, ids, grads, finite, distinct, num_rows, workspace):
+        self.ids, self.grads, self.finite = ids, grads, finite
+        self.distinct, self.num_rows, self.workspace = distinct, num_rows, workspace
+
+    def squared_norm(self):
+        """The squared L2 norm of the table's gradient: of each distinct row's summed one.
+
+        What a dense optimizer's `global_clipnorm` sees of this table. A
+        table split over devices is deduplicated once more for it (globally).
+        """
+        if self.distinct is not None:
+            return ops.sum(ops.square(self.distinct[1]))
+        _, summed, _ = backend.dedup(self.ids, self.grads, self.num_rows, self.workspace)
+        return ops.sum(ops.square(summed))
+
+
+def prepare(table, ids, grads, workspace=None):
+    """The step of `table` deduplicated (on one device) and checked: a `Prepared`.
+
+    Args:
+        table: the `[V, D]` Keras variable.
+        ids, grads, workspace: as for `sparse_apply`.
+    """
+    grads = row_grads.as_float32(grads)
+    # A non-finite gradient skips the whole table for this step.
+    finite = row_grads.all_finite(grads)
+    distinct = None
+    if backend.row_shards(table) is None:
+        distinct = backend.dedup(ids, grads, table.shape[0], workspace)
+    return Prepared(ids, grads, finite, distinct, table.shape[0], workspace)
+
+
+def finish(updater, table, slots, prepared, values, step, workspace=None, rounding=None,
+           factor=None):
+    """Applies the rule to a `prepare`d step, in place.
+
+    Args:
+        updater, table, slots, values, step, workspace, rounding: as for `sparse_apply`.
+        prepared: the `Prepared` step of `table`.
+        factor: a scalar the gradients are multiplied by first (global
+            clipping), or None. A non-finite factor skips the step.
 
     Returns:
         A boolean scalar tensor: whether the update was applied.
     """
     rounding = rounding or precision.Rounding()
-    shards = backend.row_shards(table)
-    if shards is not None:
-        return backend.on_row_shards(_apply, shards, updater, table, slots, ids, grads,
-                                     learning_rate, step, workspace, rounding)
-    return _apply(updater, table, slots, ids, grads, learning_rate, step, workspace, rounding)
-
-
-def _apply(updater, table, slots, ids, grads, learning_rate, step, workspace, rounding):
-    grads = row_grads.as_float32(grads)
-    uniq, summed, count = backend.dedup(ids, grads, table.shape[0], workspace)
-    # A non-finite gradient skips the whole table for this step.
-    finite = row_grads.all_finite(grads)
-    _update_distinct(updater, table, slots, uniq, summed, count, finite, learning_rate, step,
+    if prepared.distinct is None:
+        grads = prepared.grads if factor is None else row_grads.scale(prepared.grads, factor)
+        return backend.on_row_shards(_apply, backend.row_shards(table), updater, table, slots,
+                                     prepared.ids, grads, values, step, workspace, rounding)
+    uniq, summed, count = prepared.distinct
+    finite = prepared.finite
+    if factor is not None:
+        summed = summed * factor
+        finite = ops.logical_and(finite, ops.isfinite(factor))
+    _update_distinct(updater, table, slots, uniq, summed, count, finite, values, step,
                      rounding)
     return finite
 
 
+def _apply(updater, table, slots, ids, grads, values, step, workspace, rounding):
+    """Dedup, rule and scatter of one device's table (or row shard, in `on_row_shards`)."""
+    return finish(updater, table, slots, prepare(table, ids, grads, workspace), values, step,
+                  workspace, rounding)
+
+
 def sparse_apply_group(updater, members, learning_rate, step, workspace=None,
-                       roundings=None):
+                       roundings=None, values=None):
     """Updates several tables that share one updater configuration, in one dedup.
 
-    The ids of every table are shifted into one id space (table `t`'s rows
-    follow table `t-1`'s) and deduplicated together; `dedup` keeps the
-    distinct ids in order of first occurrence, so each table's distinct ids
-    come out as one contiguous run, which `backend.split_by_table` hands to
-    that table's gather, rule and scatter. Each table keeps its own
-    finiteness check: a non-finite gradient skips its own table only.
+    `prepare_group` then `finish_group`.
 
     Args:
         updater: the `Updater` every member uses.
         members: list of `(table, slots, ids, grads)`, as for `sparse_apply`.
             Tables must not be split over devices.
-        learning_rate: scalar tensor.
+        learning_rate: scalar tensor (unused where `values` are given).
         step: scalar int tensor, the 1-based update count.
         workspace: where `backend.WORKSPACE` is true, an int32 variable with
             at least as many entries as the members have rows together.
         roundings: one `sparseopt.precision.Rounding` per member, or None
             for the default.
+        values: one `{name: scalar tensor}` per member, as for `sparse_apply`,
+            or None for the updater's own.
 
     Returns:
         A list of boolean scalar tensors: whether each member's update was applied.
     """
+    if values is None:
+        values = [{**updater.values_at(step), "learning_rate": learning_rate}] * len(members)
+    prepared = prepare_group([(t, ids, grads) for t, _, ids, grads in members], workspace)
+    return finish_group(updater, [(t, slots) for t, slots, _, _ in members], prepared, values,
+                        step, roundings)
+
+
+class PreparedGroup:
+    """A table group's step after its one dedup: `distinct` over the shifted ids.
+
+    Args:
+        distinct: `(ids, grads, count)` from `backend.dedup` of the shifted ids.
+        finite: one boolean scalar per member.
+        offsets: each member's first shifted id, then the total row count.
+        sizes: static bounds on each member's distinct ids.
+    """
+
+    def __init__(self, distinct, finite, offsets, sizes):
+        self.distinct, self.finite, self.offsets, self.sizes = distinct, finite, offsets, sizes
+        self.trainers = []  # the members' `TableTrainer`s, where a `TableGroup` prepared it
+
+    def squared_norm(self):
+        """The squared L2 norm of every member's summed row gradients."""
+        return ops.sum(ops.square(self.distinct[1]))
+
+
+def prepare_group(members, workspace=None):
+    """Dedups a group's step at once: a `PreparedGroup`.
+
+    The ids of every table are shifted into one id space (table `t`'s rows
+    follow table `t-1`'s) and deduplicated together; `dedup` keeps the
+    distinct ids in order of first occurrence, so each table's distinct ids
+    come out as one contiguous run, which `finish_group` hands to that
+    table's gather, rule and scatter. Each table keeps its own finiteness
+    check: a non-finite gradient skips its own table only.
+
+    Args:
+        members: list of `(table, ids, grads)`.
+        workspace: as for `sparse_apply_group`.
+    """
     offsets, total = [], 0
-    for table, _, _, _ in members:
+    for table, _, _ in members:
         offsets.append(total)
         total += table.shape[0]
     if total > MAX_GROUP_ROWS:
@@ -89,7 +203,7 @@ def sparse_apply_group(updater, members, learning_rate, step, workspace=None,
             f"rows together, more than a group's {MAX_GROUP_ROWS:,}; update them in "
             "smaller groups.")
     shifted, all_grads, finite = [], [], []
-    for (table, _, ids, grads), offset in zip(members, offsets):
+    for (table, ids, grads), offset in zip(members, offsets):
         grads = row_grads.as_float32(grads)
         # Validity is judged on the ids as given, before they are narrowed.
         valid = ops.logical_and(ops.greater_equal(ids, 0), ops.less(ids, table.shape[0]))
@@ -97,15 +211,39 @@ def sparse_apply_group(updater, members, learning_rate, step, workspace=None,
         shifted.append(ops.where(valid, local + offset, total))  # invalid: in no table
         all_grads.append(grads)
         finite.append(row_grads.all_finite(grads))
-    uniq, summed, count = backend.dedup(ops.concatenate(shifted, axis=0),
-                                        row_grads.concatenate(all_grads), total, workspace)
-    # Each table's distinct ids, in its own rows, as its own dedup result.
+    distinct = backend.dedup(ops.concatenate(shifted, axis=0),
+                             row_grads.concatenate(all_grads), total, workspace)
     sizes = [table.shape[0] if ids.shape[0] is None else min(ids.shape[0], table.shape[0])
-             for table, _, ids, _ in members]  # static bounds (JAX slices by them)
-    parts = backend.split_by_table(uniq, summed, offsets + [total], sizes)
+             for table, ids, _ in members]  # static bounds (JAX slices by them)
+    return PreparedGroup(distinct, finite, offsets + [total], sizes)
+
+
+def finish_group(updater, members, prepared, values, step, roundings=None, factor=None):
+    """Applies the rule to each member of a `prepare_group`ed step, in place.
+
+    Args:
+        updater: the shared `Updater`.
+        members: list of `(table, slots)`, in `prepare_group`'s order.
+        prepared: the `PreparedGroup`.
+        values: one `{name: scalar tensor}` per member.
+        step: scalar int tensor, the 1-based update count.
+        roundings: one `Rounding` per member, or None.
+        factor: as for `finish`.
+
+    Returns:
+        A list of boolean scalar tensors: whether each member's update was applied.
+    """
+    uniq, summed, _ = prepared.distinct
+    finite = prepared.finite
+    if factor is not None:
+        summed = summed * factor
+        finite = [ops.logical_and(ok, ops.isfinite(factor)) for ok in finite]
+    # Each table's distinct ids, in its own rows, as its own dedup result.
+    parts = backend.split_by_table(uniq, summed, prepared.offsets, prepared.sizes)
     roundings = roundings or [precision.Rounding()] * len(members)
-    for (table, slots, _, _), part, ok, rounding in zip(members, parts, finite, roundings):
-        _update_distinct(updater, table, slots, *part, ok, learning_rate, step, rounding)
+    for (table, slots), part, ok, rounding, own in zip(members, parts, finite, roundings,
+                                                        values):
+        _update_distinct(updater, table, slots, *part, ok, own, step, rounding)
     return finite
 
 
@@ -120,10 +258,14 @@ def as_computed(values):
 MAX_GROUP_ROWS = 2**30
 
 
-def _update_distinct(updater, table, slots, uniq, summed, count, finite, learning_rate, step,
+def _update_distinct(updater, table, slots, uniq, summed, count, finite, values, step,
                      rounding):
-    """Gather, rule and scatter on `dedup`'s distinct ids (skipped where not `finite`)."""
-    if backend.fused_apply(updater, table, slots, uniq, summed, learning_rate, finite):
+    """Gather, rule and scatter on `dedup`'s distinct ids (skipped where not `finite`).
+
+    `values`: the step's hyperparameters (`sparse_apply`), which the rule reads.
+    """
+    learning_rate = values["learning_rate"]
+    if backend.fused_apply(updater, table, slots, uniq, summed, values, finite):
         return
     names = sorted(slots)
     index = precision.variable_indices(updater)  # each variable's own rounding bits
@@ -134,7 +276,8 @@ def _update_distinct(updater, table, slots, uniq, summed, count, finite, learnin
         # Float state is computed in float32; integer state (the row's last
         # step where `lazy=False`) keeps its dtype.
         state = {n: as_computed(backend.gather(v.value, uniq)) for n, v in state_vars.items()}
-        new_rows, new_state = updater.apply_rule(rows, state, summed, learning_rate, step)
+        with hyperparameters.reading(updater, values):
+            new_rows, new_state = updater.apply_rule(rows, state, summed, learning_rate, step)
         # Skipping selects the old rows back (cheap: only touched rows)
         # instead of branching.
         new_rows = ops.where(finite, new_rows, rows)

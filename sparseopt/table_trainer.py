@@ -9,13 +9,16 @@ them), each keeping its own state, counters and checkpoint entries.
 """
 
 import json
+import weakref
 
 import keras
 from keras import ops
 
 from sparseopt import backend, compat, precision, row_grads, updaters
+from sparseopt.updaters import hyperparameters
 from sparseopt.distribution import layout_like
-from sparseopt.sparse_apply import MAX_GROUP_ROWS, as_computed, sparse_apply, sparse_apply_group
+from sparseopt.sparse_apply import (
+    MAX_GROUP_ROWS, as_computed, finish, finish_group, prepare, prepare_group)
 
 
 class _Filled(keras.initializers.Initializer):
@@ -53,6 +56,12 @@ class TableTrainer:
         self.skipped = None  # int32 scalar: steps skipped for non-finite gradients
         self.workspace = None  # int32 [V (+1 on TF)] dedup scratch, never saved
         self.rounding = None  # how 16-bit values are written (set by `build`)
+        # hyperparameter name -> float32 scalar variable the step reads (set by `build`)
+        self.hyperparameters = {}
+        # False where `exclude_from_weight_decay` names the table: its updater's
+        # `weight_decay` reads 0 for it.
+        self.decays = True
+        self._optimizer = None  # weak reference to the optimizer that built it
 
     @property
     def name(self):
@@ -87,6 +96,47 @@ class TableTrainer:
                 shape=(table.shape[0] + backend.WORKSPACE_SINK,), dtype="int32",
                 initializer="zeros", layout=layout_like(table, 1),
                 name=f"{prefix}_dedup_workspace")
+        for name, value in self.updater.state_hyperparameters.items():
+            self.hyperparameters[name] = optimizer.add_variable(
+                shape=(), dtype="float32", initializer=_Filled(value),
+                name=f"{prefix}_hyperparameter_{name}")
+        self._optimizer = weakref.ref(optimizer)
+        self.updater.bind(self)
+
+    def set_hyperparameter(self, name, value):
+        """Assigns the variable of hyperparameter `name` (the updater's setter calls it).
+
+        On JAX, `fit` keeps the state outside the variables between its steps:
+        the model's state is synced first, so that the next step reads the
+        new value (what a Keras callback's `self.model` does).
+        """
+        optimizer = self._optimizer() if self._optimizer is not None else None
+        if optimizer is not None:
+            optimizer.sync_training_state()
+        with backend.outside_trace():
+            self.hyperparameters[name].assign(value)
+
+    def read_hyperparameters(self):
+        """Sets the updater's attributes to its variables' values (after a checkpoint load)."""
+        for name, variable in self.hyperparameters.items():
+            self.updater.restore_hyperparameter(
+                name, float(ops.convert_to_numpy(variable.value)))
+
+    def values_at(self, iteration, learning_rate_scale=1.0):
+        """`{name: scalar tensor}`: every hyperparameter of the step after `iteration`.
+
+        Args:
+            iteration: the optimizer's 0-based step count.
+            learning_rate_scale: the dense learning rate now over its value when
+                training began (`DispatchOptimizer`); multiplies this table's
+                rate where its updater has `follow_learning_rate=True`.
+        """
+        values = self.updater.values_at(iteration + 1, self.hyperparameters)
+        if self.updater.follow_learning_rate:
+            values["learning_rate"] = values["learning_rate"] * learning_rate_scale
+        if not self.decays and "weight_decay" in values:
+            values["weight_decay"] = ops.zeros((), "float32")
+        return values
 
     def state(self):
         """`{slot name: Keras variable}`: the updater's state of this table."""
@@ -94,15 +144,26 @@ class TableTrainer:
 
     @property
     def saved_variables(self):
-        """What a checkpoint holds for this table: its state and skip count."""
-        return [*self.slots.values(), self.skipped]
+        """What a checkpoint holds for this table: its state, skip count and
+        hyperparameters, in the order they were created."""
+        return [*self.slots.values(), self.skipped, *self.hyperparameters.values()]
+
+    def legacy_saved(self):
+        """What sparseopt 0.2 saved for this table, as `[(variable or None, shape)]`.
+
+        Its state then also had the slots this configuration never reads
+        (`Updater.unread_slots`, None here) and no hyperparameter variables.
+        """
+        out = [(self.slots.get(s.name), s.shape(self.table.shape))
+               for s in self.updater.legacy_slots]
+        return out + [(self.skipped, ())]
 
     @property
     def scratch_variables(self):
         """Working memory that is not state (never saved)."""
         return [self.workspace] if self.workspace is not None else []
 
-    def apply(self, ids, grads, iteration):
+    def apply(self, ids, grads, iteration, learning_rate_scale=1.0):
         """Applies the updater to the rows `ids` with their true gradients.
 
         Args:
@@ -111,14 +172,33 @@ class TableTrainer:
             grads: `[N, D]` unscaled gradient of each occurrence. If any is
                 not finite, nothing changes and the step is counted as skipped.
             iteration: the optimizer's 0-based step count (scalar tensor).
+            learning_rate_scale: as for `values_at`.
         """
-        applied = sparse_apply(
-            self.updater, self.table, self.slots, ids, grads,
-            self.updater.learning_rate_at(iteration), iteration + 1,
-            workspace=self.workspace, rounding=self.rounding)
+        self.finish(self.prepare(ids, grads), iteration, learning_rate_scale)
+
+    def prepare(self, ids, grads):
+        """The step's ids deduplicated and their gradients summed (`sparse_apply.Prepared`).
+
+        Args:
+            ids, grads: as for `apply`.
+        """
+        return prepare(self.table, ids, grads, self.workspace)
+
+    def finish(self, prepared, iteration, learning_rate_scale=1.0, factor=None):
+        """Applies the updater to a `prepare`d step, counting it if skipped.
+
+        Args:
+            prepared: from `prepare`.
+            iteration, learning_rate_scale: as for `apply`.
+            factor: scalar the gradients are multiplied by first (global
+                clipping), or None.
+        """
+        values = self.values_at(iteration, learning_rate_scale)
+        applied = finish(self.updater, self.table, self.slots, prepared, values, iteration + 1,
+                         self.workspace, self.rounding, factor)
         self.skipped.assign_add(1 - ops.cast(applied, "int32"))
 
-    def catch_up(self, steps_done):
+    def catch_up(self, steps_done, learning_rate_scale=1.0):
         """Brings every row up to step `steps_done` (`lazy=False` or `ema_momentum`).
 
         Applies the missed steps of `lazy=False` rows, and brings the moving
@@ -129,10 +209,11 @@ class TableTrainer:
 
         Args:
             steps_done: int, the optimizer's iteration count.
+            learning_rate_scale: as for `values_at`.
         """
         if not self.updater.tracks_rows:
             return
-        rows, state = self._caught_up(steps_done)
+        rows, state = self._caught_up(steps_done, learning_rate_scale)
         self._write_whole(self.table, rows, steps_done, 0)
         for name, index in precision.variable_indices(self.updater).items():
             self._write_whole(self.slots[name], state[name], steps_done, index)
@@ -143,22 +224,24 @@ class TableTrainer:
         stored = self.rounding.stored(values, variable.dtype, step, ids, variable_index)
         variable.assign(ops.cast(stored, variable.dtype))
 
-    def _caught_up(self, steps_done):
+    def _caught_up(self, steps_done, learning_rate_scale=1.0):
         """`(rows, state)` of the whole table brought up to `steps_done`, not assigned."""
         state = {s.name: as_computed(self.slots[s.name].value) for s in self.updater.slots}
-        return updaters.catch_up.whole_table(
-            self.updater, ops.cast(self.table.value, "float32"), state, steps_done,
-            self.updater.learning_rate_at(max(steps_done - 1, 0)))
+        values = self.values_at(max(steps_done - 1, 0), learning_rate_scale)
+        with hyperparameters.reading(self.updater, values):
+            return updaters.catch_up.whole_table(
+                self.updater, ops.cast(self.table.value, "float32"), state, steps_done,
+                values["learning_rate"])
 
-    def moving_average(self, steps_done):
+    def moving_average(self, steps_done, learning_rate_scale=1.0):
         """The table's moving average at `steps_done` (`ema_momentum` only), a tensor."""
-        rows, state = self._caught_up(steps_done)
+        rows, state = self._caught_up(steps_done, learning_rate_scale)
         return rows + state[updaters.catch_up.EMA_OFFSET_SLOT]
 
-    def use_moving_average(self, steps_done):
+    def use_moving_average(self, steps_done, learning_rate_scale=1.0):
         """Overwrites the table with its moving average (as Keras' `use_ema` at the end of
         `fit`); the average stays what it was."""
-        self.catch_up(steps_done)
+        self.catch_up(steps_done, learning_rate_scale)
         offset = self.slots[updaters.catch_up.EMA_OFFSET_SLOT]
         self._write_whole(self.table, ops.cast(self.table.value, "float32")
                           + ops.cast(offset.value, "float32"), steps_done, 0)
@@ -237,18 +320,41 @@ class TableGroup:
     def scratch_variables(self):
         return [self.workspace] if self.workspace is not None else []
 
-    def apply(self, rows, iteration):
+    def apply(self, rows, iteration, learning_rate_scale=1.0):
         """Applies the shared updater to each member looked up in this step.
 
         Args:
             rows: list of `(trainer, ids, grads)`, as for `TableTrainer.apply`.
             iteration: the optimizer's 0-based step count.
+            learning_rate_scale: as for `TableTrainer.values_at`.
         """
-        members = [(t.table, t.slots, ids, grads) for t, ids, grads in rows]
-        applied = sparse_apply_group(
-            self.updater, members, self.updater.learning_rate_at(iteration), iteration + 1,
-            workspace=self.workspace, roundings=[t.rounding for t, _, _ in rows])
-        for (trainer, _, _), ok in zip(rows, applied):
+        self.finish(self.prepare(rows), iteration, learning_rate_scale)
+
+    def prepare(self, rows):
+        """One dedup of the members looked up in this step (`sparse_apply.PreparedGroup`).
+
+        Args:
+            rows: as for `apply`.
+        """
+        prepared = prepare_group([(t.table, ids, grads) for t, ids, grads in rows],
+                                 self.workspace)
+        prepared.trainers = [t for t, _, _ in rows]
+        return prepared
+
+    def finish(self, prepared, iteration, learning_rate_scale=1.0, factor=None):
+        """Applies the shared updater to a `prepare`d step, member by member.
+
+        Args:
+            prepared: from `prepare`.
+            iteration, learning_rate_scale: as for `apply`.
+            factor: as for `TableTrainer.finish`.
+        """
+        trainers = prepared.trainers
+        # Each member reads its own hyperparameters (its updater's variables).
+        values = [t.values_at(iteration, learning_rate_scale) for t in trainers]
+        applied = finish_group(self.updater, [(t.table, t.slots) for t in trainers], prepared,
+                               values, iteration + 1, [t.rounding for t in trainers], factor)
+        for trainer, ok in zip(trainers, applied):
             trainer.skipped.assign_add(1 - ops.cast(ok, "int32"))
 
 
@@ -324,6 +430,10 @@ class LookupRows:
     def dropped_ids(self):
         return int(ops.convert_to_numpy(self.lookup.num_dropped_ids.value))
 
+    def ids_per_step(self):
+        """The ids one step looks up (`SparseLookup.ids_per_step`), or None if unknown."""
+        return self.lookup.ids_per_step()
+
 
 class SlicedRows:
     """Row gradients that arrive as the table's own sparse gradient (TF `IndexedSlices`)."""
@@ -353,3 +463,10 @@ class SlicedRows:
 
     def dropped_ids(self):
         return 0  # keras-rs tables on TF: Keras' gather never sees invalid ids here
+
+    def ids_per_step(self):
+        raise ValueError(
+            f"DispatchOptimizer: gradient_accumulation_steps is not supported for the keras-rs "
+            f"table '{self.table.path}' on TensorFlow (its row gradients arrive from Keras' "
+            "gather, of unknown size when the optimizer is built). Train it on JAX, or "
+            "without accumulation (a larger batch).")

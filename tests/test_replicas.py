@@ -102,6 +102,20 @@ def test_a_checkpoint_saved_by_replicas_loads_on_one_device_bit_for_bit(out):
                                       err_msg=path)
 
 
+def test_accumulation_clipping_and_rate_callbacks_train_replicas_like_one_device(out):
+    arrays = _npz(out, "controls")
+    paths = _paths(arrays, "single")
+    assert any("accumulated_ids" in p for p in paths) and any("embeddings" in p for p in paths)
+    for path in paths:
+        if "accumulated" in path or "dedup_workspace" in path:
+            continue  # each replica's own micro-batches (a quarter of the ids); scratch
+        np.testing.assert_allclose(arrays[f"multi/{path}"], arrays[f"single/{path}"],
+                                   rtol=1e-5, atol=1e-6, err_msg=path)
+        for replica in range(1, REPLICAS):
+            np.testing.assert_array_equal(arrays[f"copies/{path}@{replica}"],
+                                          arrays[f"copies/{path}@0"], err_msg=path)
+
+
 def test_batches_that_split_unevenly_match_keras_dense_sgd_under_the_same_strategy(out):
     """66 examples by 16: the last batch gives the replicas 1, 1, 0 and 0 examples."""
     arrays, examples = _npz(out, "uneven"), 66

@@ -70,6 +70,14 @@ def test_sharded_training_equals_one_device(runs, layout):
     assert _report(runs, layout)["dropped_ids"] == _report(runs, "single")["dropped_ids"]
 
 
+def test_accumulation_global_clipping_and_rate_callbacks_shard_like_one_device(runs):
+    """Rows over 8 devices (routed): the clipping norm sums every shard's rows, the
+    accumulated micro-batches and the callback's rates match one device."""
+    got, want = _load(runs, "rows8_controls"), _load(runs, "single_controls")
+    assert any("accumulated_ids" in k for k in want.files)
+    _assert_same_training(got, want)
+
+
 @pytest.mark.parametrize("layout", ["rows8", "rows2x4"])
 def test_bfloat16_tables_round_as_on_one_device_bit_for_bit(runs, layout):
     """Stochastic rounding draws its bits by global row: each shard writes what
@@ -135,7 +143,7 @@ def test_each_device_holds_its_share_of_every_table_and_its_state(runs, job, lay
         for path, shapes in info["shard_shapes"].items():
             assert len(shapes) == 1, path  # every device holds the same share
             shape = tuple(shapes[0])
-            if path.endswith("skipped_steps"):
+            if path.endswith("skipped_steps") or "_hyperparameter_" in path:
                 assert shape == ()
             elif layout == "cols2x4" and len(shape) == 2:
                 assert shape == (rows, width // split), path
@@ -146,8 +154,11 @@ def test_each_device_holds_its_share_of_every_table_and_its_state(runs, job, lay
                 assert shape[1:] in ((), (width,)), path
         if layout in ("rows8", "rows2x4"):
             # The table and all its state: 1/split of the total on each
-            # device (plus the 4-byte skipped-steps counter, replicated).
-            assert set(info["bytes_per_device"]) == {(info["total_bytes"] - 4) // split + 4}
+            # device (plus the 4-byte scalars, replicated: the skipped-steps
+            # counter and the hyperparameters).
+            scalars = 4 * sum(tuple(s[0]) == () for s in info["shard_shapes"].values())
+            assert set(info["bytes_per_device"]) == {
+                (info["total_bytes"] - scalars) // split + scalars}
 
 
 @pytest.mark.parametrize("layout", SHARDED)

@@ -48,13 +48,14 @@ class DenseSum(keras.layers.Layer):
 def test_tables_slots_and_step_are_installed_and_nothing_else():
     """SGD inside the backward pass, installed: equals dense Keras SGD on the table."""
     # Clipping on the dense optimizer must not reach the installed values.
+    # (`global_clipnorm`, one norm over everything, is refused with them: below.)
     model, emb = imitation_model(sparseopt.DispatchOptimizer(
-        keras.optimizers.Adam(0.01, global_clipnorm=1e-3)))
+        keras.optimizers.Adam(0.01, clipnorm=1e-3)))
     ids = keras.Input((L,), dtype="int32")
     dense = DenseSum(name="ref")
     ref = keras.Model(ids, keras.layers.Dense(1, name="ref_head")(dense(ids)))
     ref.compile(loss="mse", optimizer=sparseopt.DispatchOptimizer(
-        keras.optimizers.Adam(0.01, global_clipnorm=1e-3),
+        keras.optimizers.Adam(0.01, clipnorm=1e-3),
         optimizer_map={"ref/table": keras.optimizers.SGD(0.1)}))
     dense.table.assign(to_np(emb.table))
     for a, b in zip(ref.get_layer("ref_head").weights, model.get_layer("head").weights):
@@ -129,6 +130,15 @@ def test_gradient_accumulation_with_sparsecore_tables_is_refused():
         keras.optimizers.Adam(gradient_accumulation_steps=2)))
     x, y = batches(1)
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2.*SparseCore"):
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+
+
+def test_global_clipnorm_with_sparsecore_tables_is_refused():
+    """One norm over everything cannot include tables updated inside their backward."""
+    model, _ = imitation_model(sparseopt.DispatchOptimizer(
+        keras.optimizers.Adam(global_clipnorm=1.0)))
+    x, y = batches(1)
+    with pytest.raises(ValueError, match=r"global_clipnorm=1.0.*SparseCore.*var:sc:table"):
         model.fit(x, y, batch_size=BATCH, verbose=0)
 
 

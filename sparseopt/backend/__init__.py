@@ -48,27 +48,35 @@ Each backend module provides:
 - `row_shards(variable)` / `on_row_shards(apply, shards, ...)`: where a
   table is split by rows over devices, `(mesh, axis)`, and running an update
   on each shard with the ids it owns (JAX; `None` / never on TF).
-- `fused_apply(updater, table, slots, ids, grads, lr, finite)`: apply the
+- `fused_apply(updater, table, slots, ids, grads, values, finite)`: apply the
   updater with the backend's own kernel if one computes exactly its rule
-  (TensorFlow); returns `False` when there is none (always, on JAX).
+  (TensorFlow), with the step's hyperparameters `values`; returns `False`
+  when there is none (always, on JAX).
+- `run_if(pred, fn, variables)`: runs `fn` (assigning some of `variables`)
+  only where `pred` holds, in place (gradient accumulation's k-th step);
+  `write_rows(variable, start, rows)`: rows written at a (traced) offset;
+  `at_least_zero(value, message)`: a traced size checked when the step runs;
+  `trace_forward(model, batch)`: traces the model on a batch's shapes so that
+  lookups learn their ids per step (JAX; `None` on TF, which builds its
+  optimizer after the traced forward pass).
 """
 
 import keras
 
 if keras.backend.backend() == "jax":
     from sparseopt.backend.jax import (  # noqa: F401
-        PROBE_IS_WEIGHT, SPARSE_GRADIENTS, WORKSPACE, WORKSPACE_SINK, bitcast, dedup,
+        PROBE_IS_WEIGHT, SPARSE_GRADIENTS, WORKSPACE, WORKSPACE_SINK, at_least_zero, bitcast, dedup,
         fill_in_blocks, for_distinct_rows, fused_apply, gather, materialize, split_by_table,
         gather_from_resource, gradient_slices, has_int64, on_row_shards, outside_trace,
-        read_pooled, read_rows, replica_strategy, all_replicas, replica_id, row_shards, scatter,
-        sum_over_replicas, tap, trace_token)
+        read_pooled, read_rows, replica_strategy, all_replicas, replica_id, row_shards, run_if,
+        scatter, sum_over_replicas, tap, trace_forward, trace_token, write_rows)
 elif keras.backend.backend() == "tensorflow":
     from sparseopt.backend.tensorflow import (  # noqa: F401
-        PROBE_IS_WEIGHT, SPARSE_GRADIENTS, WORKSPACE, WORKSPACE_SINK, bitcast, dedup,
+        PROBE_IS_WEIGHT, SPARSE_GRADIENTS, WORKSPACE, WORKSPACE_SINK, at_least_zero, bitcast, dedup,
         fill_in_blocks, for_distinct_rows, fused_apply, gather, materialize, split_by_table,
         gather_from_resource, gradient_slices, has_int64, on_row_shards, outside_trace,
-        read_pooled, read_rows, replica_strategy, all_replicas, replica_id, row_shards, scatter,
-        sum_over_replicas, tap, trace_token)
+        read_pooled, read_rows, replica_strategy, all_replicas, replica_id, row_shards, run_if,
+        scatter, sum_over_replicas, tap, trace_forward, trace_token, write_rows)
 else:
     raise ImportError(
         f"sparseopt supports the 'jax' and 'tensorflow' Keras backends; the "

@@ -386,7 +386,7 @@ def route_capacity(num_ids, shards):
     return max(1, min(num_ids, math.ceil(ROUTE_CAPACITY * share + 4 * math.sqrt(share))))
 
 
-def on_row_shards(apply, shards, updater, table, slots, ids, grads, learning_rate, step,
+def on_row_shards(apply, shards, updater, table, slots, ids, grads, hyper, step,
                   workspace, rounding):
     """Runs `apply` on each row shard of `table`, with the ids that shard owns.
 
@@ -404,7 +404,8 @@ def on_row_shards(apply, shards, updater, table, slots, ids, grads, learning_rat
       of the batch's rows, never of a table) and keeps its own.
 
     Each shard updates its blocks of the table, its state and its dedup
-    workspace in place, on its ids as local row numbers. Ids no shard owns
+    workspace in place, on its ids as local row numbers. `hyper` (the step's
+    hyperparameters, `{name: scalar}`) goes to every shard whole. Ids no shard owns
     (invalid) are dropped. Stochastic rounding keys its bits by global row
     (`rounding.at_offset`).
     """
@@ -415,15 +416,15 @@ def on_row_shards(apply, shards, updater, table, slots, ids, grads, learning_rat
     batch_axis = _batch_axis(mesh, ids.shape[0])
     route = batch_axis is not None and n >= ROUTE_MIN_SHARDS
 
-    def update(values, local_ids, local_grads, learning_rate, step, start):
+    def update(values, local_ids, local_grads, hyper, step, start):
         block, state, space = values
         block, space = _Shard(block), _Shard(space)
         state = {name: _Shard(v) for name, v in zip(names, state)}
-        applied = apply(updater, block, state, local_ids, local_grads, learning_rate, step,
+        applied = apply(updater, block, state, local_ids, local_grads, hyper, step,
                         space, rounding.at_offset(start))
         return (block.value, [state[k].value for k in names], space.value), applied
 
-    def local(block, state, space, ids, grads, learning_rate, step):
+    def local(block, state, space, ids, grads, hyper, step):
         start = jax.lax.axis_index(axis) * rows
         ids = ids.astype(jnp.int32)
         values = (block, state, space)
@@ -433,9 +434,9 @@ def on_row_shards(apply, shards, updater, table, slots, ids, grads, learning_rat
                 grads = jax.lax.all_gather(grads, batch_axis, tiled=True)
             mine = (ids >= start) & (ids < start + rows)
             values, applied = update(values, jnp.where(mine, ids - start, -1), grads,
-                                     learning_rate, step, start)
+                                     hyper, step, start)
         else:
-            values, applied = _routed(update, values, ids, grads, learning_rate, step, start,
+            values, applied = _routed(update, values, ids, grads, hyper, step, start,
                                       mesh, axis, batch_axis, rows)
         return (*values, applied)
 
@@ -446,7 +447,7 @@ def on_row_shards(apply, shards, updater, table, slots, ids, grads, learning_rat
         in_specs=(split, [split] * len(names), split, batch, batch, whole, whole),
         out_specs=(split, [split] * len(names), split, whole), check_vma=False,
     )(table.value, [slots[n].value for n in names], workspace.value, ids, grads,
-      learning_rate, step)
+      hyper, step)
     table.assign(new_table)
     for name, value in zip(names, new_state):
         slots[name].assign(value)
@@ -491,7 +492,7 @@ def _owner_runs(keys, first_row, owners, rows):
     return order, segment, distinct, edge[:-1], edge[1:]
 
 
-def _routed(update, values, ids, grads, learning_rate, step, start, mesh, axis, batch_axis,
+def _routed(update, values, ids, grads, hyper, step, start, mesh, axis, batch_axis,
             rows):
     """The routed way of `on_row_shards`, inside `shard_map`: `(values, applied)`.
 
@@ -539,7 +540,7 @@ def _routed(update, values, ids, grads, learning_rate, step, start, mesh, axis, 
         got_ids = got_ids.reshape(-1)
         local = jnp.where(got_ids >= 0, got_ids - start, -1)
         values, ok = update(values, local, got_grads.reshape(local.shape[0], -1),
-                            learning_rate, step, start)
+                            hyper, step, start)
         sent = sent + jnp.sum(take, axis=1, dtype=jnp.int32)
         more = jax.lax.pmax(jnp.any(begin + sent < end).astype(jnp.int32),
                             tuple(mesh.axis_names)) > 0
@@ -604,6 +605,56 @@ def _routed_read(value, ids, mesh, axis):
                          check_vma=False)(value, ids)
 
 
-def fused_apply(updater, table, slots, ids, grads, learning_rate, finite):
+def run_if(pred, fn, variables):
+    """Runs `fn()` (which reads and assigns `variables`) where `pred` holds, else nothing.
+
+    A `lax.cond` over the variables' values: `fn` runs in a stateless scope
+    of its branch, whose assignments become the branch's results. Every
+    variable `fn` reads must be in `variables` (others would read their
+    stored value, not the step's). The untaken branch returns its operands:
+    XLA updates the variables in place either way (a table is never copied;
+    checked by tests/test_no_vocab_work.py).
+    """
+    import keras
+
+    def taken(values):
+        with keras.StatelessScope(state_mapping=list(zip(variables, values))) as scope:
+            fn()
+        return [scope.get_current_value(v) for v in variables]
+
+    values = jax.lax.cond(pred, taken, lambda values: list(values),
+                          [v.value for v in variables])
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+
+
+def write_rows(variable, start, rows):
+    """`variable[start:start + len(rows)] = rows`, in place (`start` may be a tensor)."""
+    value = variable.value
+    start = jnp.asarray(start, jnp.int32)
+    index = (start,) + (jnp.zeros((), jnp.int32),) * (value.ndim - 1)
+    variable.assign(jax.lax.dynamic_update_slice(value, rows.astype(value.dtype), index))
+
+
+def at_least_zero(value, message):
+    """`value` (JAX shapes are static: callers check them when tracing)."""
+    return value
+
+
+def trace_forward(model, batch):
+    """Traces `model` on `batch`'s shapes without computing or changing anything.
+
+    What lets each `SparseLookup` see how many ids a step looks up before
+    the train step is traced (gradient accumulation sizes its buffers by it).
+    """
+    import keras
+
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
+    spec = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape), a.dtype), x)
+    with keras.StatelessScope():
+        jax.eval_shape(lambda x: model(x, training=True), spec)
+
+
+def fused_apply(updater, table, slots, ids, grads, values, finite):
     """XLA fuses gather, rule and scatter itself: there is no kernel to call."""
     return False

@@ -325,7 +325,55 @@ def scatter(variable, ids, rows):
     var.scatter_update(tf.IndexedSlices(tf.cast(rows, var.dtype), ids))
 
 
-def fused_apply(updater, table, slots, ids, grads, learning_rate, finite):
+def run_if(pred, fn, variables):
+    """Runs `fn()` (which assigns variables) where `pred` holds, else nothing (`tf.cond`).
+
+    Inside a `MirroredStrategy` replica, `fn`'s collectives (Keras' optimizers'
+    merge calls, the replicas' row gathers) cannot sit in a `tf.cond` there:
+    as Keras' `LossScaleOptimizer` does, the cond is taken in cross-replica
+    context and runs `fn` in every replica. `fn` must read only variables
+    (each replica then reads its own copy), and `pred` be the same everywhere.
+    """
+    context = _replica_context()
+    if context is None:
+        tf.cond(pred, lambda: _ran(fn), lambda: tf.constant(False))
+        return
+
+    def cross(strategy, pred):
+        def taken():
+            strategy.extended.call_for_each_replica(fn)
+            return tf.constant(True)
+
+        first = strategy.experimental_local_results(pred)[0]
+        tf.cond(first, taken, lambda: tf.constant(False))
+
+    context.merge_call(cross, args=(pred,))
+
+
+def _ran(fn):
+    fn()
+    return tf.constant(True)
+
+
+def write_rows(variable, start, rows):
+    """`variable[start:start + len(rows)] = rows`, in place, on this replica's copy."""
+    var = local(variable)
+    start = tf.cast(start, tf.int32)
+    var[start:start + tf.shape(rows)[0]].assign(tf.cast(rows, var.dtype))
+
+
+def at_least_zero(value, message):
+    """`value`, checked when the step runs: an `InvalidArgumentError` with `message` if < 0."""
+    with tf.control_dependencies([tf.debugging.assert_non_negative(value, message=message)]):
+        return tf.identity(value)
+
+
+# TF builds the optimizer inside the traced step, after the forward pass:
+# every lookup has seen the step's shapes by then.
+trace_forward = None
+
+
+def fused_apply(updater, table, slots, ids, grads, values, finite):
     """Applies `updater` with TensorFlow's own sparse-apply kernel, if one fits.
 
     Args:
@@ -334,7 +382,8 @@ def fused_apply(updater, table, slots, ids, grads, learning_rate, finite):
         slots: dict slot name -> Keras state variable.
         ids: unique valid row ids.
         grads: their summed gradients.
-        learning_rate: scalar tensor.
+        values: `{name: scalar tensor}`, the step's hyperparameters (with
+            `learning_rate`).
         finite: boolean scalar; the kernel runs only when it is true.
 
     Returns:
@@ -353,10 +402,10 @@ def fused_apply(updater, table, slots, ids, grads, learning_rate, finite):
     var = local(table)
     handles = {name: local(slot).handle for name, slot in slots.items()}
     grads = tf.cast(grads, var.dtype)
-    learning_rate = tf.cast(learning_rate, var.dtype)
+    values = {name: tf.cast(value, var.dtype) for name, value in values.items()}
 
     def run():
-        kernel(updater, var.handle, handles, ids, grads, learning_rate)
+        kernel(updater, var.handle, handles, ids, grads, values)
         return tf.constant(True)
 
     tf.cond(finite, run, lambda: tf.constant(False))

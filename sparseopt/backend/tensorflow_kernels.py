@@ -10,33 +10,36 @@ state in place, once per id: callers must pass unique ids.
 import tensorflow as tf
 
 
-def _sgd(updater, var, slots, ids, grads, lr):
-    tf.raw_ops.ResourceScatterSub(resource=var, indices=ids, updates=lr * grads)
+def _sgd(updater, var, slots, ids, grads, values):
+    tf.raw_ops.ResourceScatterSub(resource=var, indices=ids,
+                                  updates=values["learning_rate"] * grads)
 
 
-def _adagrad(updater, var, slots, ids, grads, lr):
+def _adagrad(updater, var, slots, ids, grads, values):
     # ApplyAdagradV2 divides by sqrt(acc) + epsilon; Adagrad.tf_kernel names it
-    # only for epsilon == 0, where that is the Keras form exactly.
+    # only for epsilon == 0 (fixed once built), where that is the Keras form exactly.
+    lr = values["learning_rate"]
     tf.raw_ops.ResourceSparseApplyAdagradV2(
         var=var, accum=slots["accumulator"], lr=lr, epsilon=tf.zeros_like(lr),
         grad=grads, indices=ids)
 
 
-def _ftrl(updater, var, slots, ids, grads, lr):
+def _ftrl(updater, var, slots, ids, grads, values):
     # TF's kernel has no beta; Keras' Ftrl folds it into l2 the same way.
-    l2 = updater.l2_regularization_strength + updater.beta / (2.0 * lr)
+    lr = values["learning_rate"]
+    l2 = values["l2_regularization_strength"] + values["beta"] / (2.0 * lr)
     tf.raw_ops.ResourceSparseApplyFtrl(
         var=var, accum=slots["accumulator"], linear=slots["linear"], grad=grads,
-        indices=ids, lr=lr, l1=tf.constant(updater.l1_regularization_strength, lr.dtype),
-        l2=l2, lr_power=tf.constant(updater.learning_rate_power, lr.dtype),
+        indices=ids, lr=lr, l1=values["l1_regularization_strength"], l2=l2,
+        lr_power=values["learning_rate_power"],
         multiply_linear_by_lr=updater.multiply_linear_by_learning_rate)
 
 
-def _keras_momentum(updater, var, slots, ids, grads, lr):
+def _keras_momentum(updater, var, slots, ids, grads, values):
     # m <- momentum * m - lr * g; w <- w + m (nesterov: w + momentum * m - lr * g).
     tf.raw_ops.ResourceSparseApplyKerasMomentum(
-        var=var, accum=slots["momentum"], lr=lr, grad=grads, indices=ids,
-        momentum=tf.constant(updater.momentum, lr.dtype), use_nesterov=updater.nesterov)
+        var=var, accum=slots["momentum"], lr=values["learning_rate"], grad=grads,
+        indices=ids, momentum=values["momentum"], use_nesterov=updater.nesterov)
 
 
 _KERNELS = {"sgd": _sgd, "adagrad": _adagrad, "ftrl": _ftrl, "keras_momentum": _keras_momentum}

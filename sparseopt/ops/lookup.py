@@ -4,6 +4,7 @@ import warnings
 import weakref
 
 import keras
+import numpy as np
 from keras import ops
 
 from sparseopt import backend, compat, row_grads
@@ -85,6 +86,7 @@ class SparseLookup:
         # Per replica (TF MirroredStrategy traces its replicas into one graph):
         self._records = {}  # replica -> [(trace, ids, row_grads)] from backward passes
         self._dropped = {}  # replica -> records a forward pass of another trace discarded
+        self._sizes = {}  # replica -> (trace, static id count of each call in it)
         table._sparseopt_lookup = self
         self.probe._sparseopt_probe_of = self
 
@@ -181,10 +183,28 @@ class SparseLookup:
         return backend.tap(pooled, self.probe.value, update_ids, self._on_backward_pooled,
                            aux=ops.reshape(weight, (-1,)))
 
+    def ids_per_step(self):
+        """How many ids the last forward pass with a known batch shape looked up.
+
+        Summed over the lookup's calls in that pass (one trace), per replica;
+        None before any. What gradient accumulation sizes its buffers by.
+        """
+        counts = self._sizes.get(backend.replica_id(), (None, []))[1]
+        return sum(counts) if counts and None not in counts else None
+
+    def _record_size(self, ids):
+        token, replica = backend.trace_token(ids), backend.replica_id()
+        known = all(d is not None for d in ids.shape)
+        count = int(np.prod(ids.shape)) if known else None
+        if token is None or token != self._sizes.get(replica, (None,))[0]:
+            self._sizes[replica] = (token, [])  # eager: each call is a pass
+        self._sizes[replica][1].append(count)
+
     def _prepare(self, ids):
         """Checks `ids`, counts the dropped ones; `(valid, ids to read, ids to update)`."""
         check_ids_dtype(ids, self.layer_name, self.table.path)
         self._forget_other_traces(ids)
+        self._record_size(ids)
         valid = self.valid(ids)
         dropped = ops.sum(ops.cast(ops.logical_not(valid), "int32"))
         # Every replica (TF MirroredStrategy) counts the whole step's, in its copy.

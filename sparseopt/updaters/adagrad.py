@@ -45,7 +45,9 @@ class Adagrad(Updater):
                 f"{initial_accumulator_value}."
             )
         self.initial_accumulator_value = float(initial_accumulator_value)
-        self.hyperparameter("epsilon", epsilon, lambda v: v >= 0, ">= 0")
+        # 0 selects TF's fused kernel (its form differs for other values).
+        self.hyperparameter("epsilon", epsilon, lambda v: v >= 0, ">= 0",
+                            fixed=lambda v: v == 0)
         self.slots = (SlotSpec("accumulator", False, self.initial_accumulator_value),)
 
     missed_steps = catch_up.decay_only  # a zero gradient leaves row and accumulator

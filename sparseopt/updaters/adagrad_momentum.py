@@ -47,10 +47,17 @@ class AdagradMomentum(Updater):
                  beta_2=1.0, epsilon=1e-10, initial_accumulator_value=0.0, name=None,
                  **options):
         super().__init__(learning_rate, name=name, **options)
-        self.hyperparameter("momentum", momentum, lambda v: v >= 0, ">= 0")
-        self.hyperparameter("exponent", exponent, lambda v: v > 0, "> 0")
-        self.hyperparameter("beta_2", beta_2, lambda v: 0 < v <= 1, "in (0, 1]")
-        self.hyperparameter("epsilon", epsilon, lambda v: v >= 0, ">= 0")
+        # Values that decide the step's shape (0: no momentum slot; 2: a
+        # square root; 1: Adagrad's sum; epsilon 0 needs a positive initial
+        # accumulator) cannot be changed into once built.
+        self.hyperparameter("momentum", momentum, lambda v: v >= 0, ">= 0",
+                            fixed=lambda v: v == 0)
+        self.hyperparameter("exponent", exponent, lambda v: v > 0, "> 0",
+                            fixed=lambda v: v == 2.0)
+        self.hyperparameter("beta_2", beta_2, lambda v: 0 < v <= 1, "in (0, 1]",
+                            fixed=lambda v: v == 1.0)
+        self.hyperparameter("epsilon", epsilon, lambda v: v >= 0, ">= 0",
+                            fixed=lambda v: v == 0)
         if initial_accumulator_value < 0:
             raise ValueError("AdagradMomentum: `initial_accumulator_value` must be >= 0, got "
                              f"{initial_accumulator_value!r}.")
@@ -62,16 +69,20 @@ class AdagradMomentum(Updater):
         self.initial_accumulator_value = float(initial_accumulator_value)
         self.slots = (SlotSpec("accumulator", False, self.initial_accumulator_value),
                       SlotSpec("momentum"))
+        # Without momentum the rule never reads `m` (it is this step's `s`).
+        self.unread_slots = () if self.momentum else ("momentum",)
 
     def missed_steps(self, rows, state, steps, decay, learning_rate):
         # One missed step: a <- beta_2 a; m <- mu m; w <- decay w - lr mu m_old
         # (nesterov: lr mu^2 m_old).
         a = state["accumulator"]
         if self.beta_2 != 1.0:
-            a = a * catch_up.power(self.beta_2, steps)[:, None]
-        weight = -learning_rate * (self.momentum ** 2 if self.use_nesterov else self.momentum)
-        rows, m = catch_up.momentum_steps(rows, state["momentum"], steps, decay,
-                                          self.momentum, weight)
+            a = a * catch_up.power(self.value("beta_2", None), steps)[:, None]
+        if not self.momentum:
+            return rows * catch_up.power(decay, steps)[:, None], {"accumulator": a}
+        mu = self.value("momentum", None)
+        weight = -learning_rate * (mu * mu if self.use_nesterov else mu)
+        rows, m = catch_up.momentum_steps(rows, state["momentum"], steps, decay, mu, weight)
         return rows, {"accumulator": a, "momentum": m}
 
     def update(self, rows, state, grads, learning_rate, step):
@@ -85,6 +96,8 @@ class AdagradMomentum(Updater):
             scaled = ops.rsqrt(a + eps) * grads
         else:
             scaled = ops.power(a + eps, -1.0 / self.value("exponent", step)) * grads
+        if not self.momentum:  # m = s: nothing to keep
+            return rows - learning_rate * scaled, {"accumulator": a}
         mu = self.value("momentum", step)
         m = mu * state["momentum"] + scaled
         direction = mu * m + scaled if self.use_nesterov else m

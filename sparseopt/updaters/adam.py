@@ -45,15 +45,16 @@ class Adam(Updater):
         super().__init__(learning_rate, name=name, **options)
         set_betas(self, beta_1, beta_2, epsilon)
         self.slots = (SlotSpec("momentum"), SlotSpec("velocity"))
+        self.unread_slots = unread_momentum(self)
 
     def update(self, rows, state, grads, learning_rate, step):
         t = ops.cast(step, "float32")
         b1, b2 = self.value("beta_1", step), self.value("beta_2", step)
-        m = b1 * state["momentum"] + (1 - b1) * grads
+        m, moments = first_moment(self, state, grads, b1)
         v = b2 * state["velocity"] + (1 - b2) * ops.square(grads)
         alpha = learning_rate * ops.sqrt(1 - ops.power(b2, t)) / (1 - ops.power(b1, t))
         eps = self.value("epsilon", step)
-        return rows - alpha * m / (ops.sqrt(v) + eps), {"momentum": m, "velocity": v}
+        return rows - alpha * m / (ops.sqrt(v) + eps), {**moments, "velocity": v}
 
     def to_keras(self):
         return keras.optimizers.Adam(self.learning_rate, beta_1=self.beta_1,
@@ -71,7 +72,25 @@ class Adam(Updater):
 
 
 def set_betas(updater, beta_1, beta_2, epsilon):
-    """Sets (checked) `beta_1`, `beta_2`, `epsilon` of an Adam-family updater."""
-    for name, value in (("beta_1", beta_1), ("beta_2", beta_2)):
-        updater.hyperparameter(name, value, lambda v: 0 <= v < 1, "in [0, 1)")
+    """Sets (checked) `beta_1`, `beta_2`, `epsilon` of an Adam-family updater.
+
+    `beta_1 = 0` keeps no first moment (`momentum_slot`), so it is not a value
+    to change into, or out of, once built.
+    """
+    updater.hyperparameter("beta_1", beta_1, lambda v: 0 <= v < 1, "in [0, 1)",
+                           fixed=lambda v: v == 0)
+    updater.hyperparameter("beta_2", beta_2, lambda v: 0 <= v < 1, "in [0, 1)")
     updater.hyperparameter("epsilon", epsilon, lambda v: v >= 0, ">= 0")
+
+
+def unread_momentum(updater):
+    """`("momentum",)` where `beta_1 == 0`: the step never reads the first moment then."""
+    return () if updater.beta_1 else ("momentum",)
+
+
+def first_moment(updater, state, grads, b1):
+    """`(m, {"momentum": m} or {})`: this step's first moment, and the state to keep."""
+    if not updater.beta_1:
+        return grads, {}  # b1 == 0: the moment is this step's gradient
+    m = b1 * state["momentum"] + (1 - b1) * grads
+    return m, {"momentum": m}

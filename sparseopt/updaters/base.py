@@ -18,13 +18,15 @@ subclass registers it; the tests enumerate the registry.
 import dataclasses
 import functools
 import numbers
+import weakref
 
 import keras
 from keras import ops
 
 from sparseopt import precision
-from sparseopt.updaters import catch_up
-from sparseopt.updaters.transforms import check_options, chain, transforms_from, value_at
+from sparseopt.updaters import catch_up, hyperparameters
+from sparseopt.updaters.transforms import (
+    OPTIONS, check_options, chain, transforms_from, value_at)
 
 _REGISTRY = {}
 # How a table's values and state are stored (Updater's arguments) by default.
@@ -95,7 +97,11 @@ class Updater:
     - `max_norm`: scale each updated row to L2 norm at most `max_norm`.
 
     Numeric options, and every float hyperparameter a rule sets with
-    `hyperparameter`, may be `LearningRateSchedule`s of the step.
+    `hyperparameter`, may be `LearningRateSchedule`s of the step. Once the
+    optimizer is built, the constant ones are variables the step reads:
+    setting one (`updater.beta_1 = 0.8`) takes effect at the next step
+    (`sparseopt.updaters.hyperparameters`); settings that shape the step
+    are fixed then, and setting one is an error naming the tables.
 
     Args:
         learning_rate: float or `LearningRateSchedule`.
@@ -119,6 +125,10 @@ class Updater:
             16-bit step. No effect on float32 variables.
         rounding_seed: int seed of the stochastic rounding's bits (same
             seed, same result, on either backend and any sharding).
+        follow_learning_rate: `True` (default): the table trains at
+            `learning_rate` times the wrapped Keras optimizer's learning rate
+            over its value when training began, so Keras' learning-rate
+            callbacks reach it in proportion; `False`: at `learning_rate`.
         **options: the options above.
     """
 
@@ -138,8 +148,9 @@ class Updater:
             if name not in cls.__dict__:
                 setattr(cls, name, Updater.__dict__[name])
         _REGISTRY[f"{cls.__module__}.{cls.__qualname__}"] = cls
-        if "__init__" in cls.__dict__:
-            cls.__init__ = _checked_after(cls.__dict__["__init__"])
+        # Every subclass, its own `__init__` or the one it inherits: settings
+        # are checked once the outermost `__init__` returns.
+        cls.__init__ = _checked_after(cls.__init__)
 
     def tf_kernel(self):
         """Name of TF's fused sparse kernel computing exactly this rule, or None.
@@ -174,34 +185,25 @@ class Updater:
         raise NotImplementedError(cls.__name__)
 
     def __init__(self, learning_rate, name=None, lazy=True, ema_momentum=None,
-                 state_dtype="float32", stochastic_rounding=True, rounding_seed=0, **options):
-        if isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule):
-            self.learning_rate = learning_rate
-        elif isinstance(learning_rate, (int, float)) and not isinstance(learning_rate, bool):
-            if learning_rate < 0:
-                raise ValueError(
-                    f"{type(self).__name__}: `learning_rate` must be >= 0, "
-                    f"got {learning_rate}."
-                )
-            self.learning_rate = float(learning_rate)
-        else:
-            raise TypeError(
-                f"{type(self).__name__}: `learning_rate` must be a float or a "
-                "keras.optimizers.schedules.LearningRateSchedule, got "
-                f"{learning_rate!r}."
-            )
-        self.name = name or _snake(type(self).__name__)
-        self.options = check_options(type(self).__name__, options)
-        self.transforms = transforms_from(self.options)
+                 state_dtype="float32", stochastic_rounding=True, rounding_seed=0,
+                 follow_learning_rate=True, **options):
+        owner = type(self).__name__
+        # Every float the step reads: the learning rate, the rule's
+        # hyperparameters, the numeric options (`sparseopt.updaters.hyperparameters`).
+        self._specs = {}
+        self._trainers = []  # weak references to the `TableTrainer`s built with it
+        self._set_hyperparameter("learning_rate", learning_rate,
+                                 hyperparameters.Spec(lambda v: v >= 0, ">= 0"))
+        self.name = name or _snake(owner)
+        self._set_options(options)
         if not isinstance(lazy, bool):
-            raise TypeError(f"{type(self).__name__}: `lazy` must be True or False, got {lazy!r}.")
+            raise TypeError(f"{owner}: `lazy` must be True or False, got {lazy!r}.")
         self.lazy = lazy
         if ema_momentum is not None and (isinstance(ema_momentum, bool) or not isinstance(
                 ema_momentum, (int, float)) or not 0 <= ema_momentum < 1):
-            raise ValueError(f"{type(self).__name__}: `ema_momentum` must be a number in "
+            raise ValueError(f"{owner}: `ema_momentum` must be a number in "
                              f"[0, 1), got {ema_momentum!r}.")
         self.ema_momentum = None if ema_momentum is None else float(ema_momentum)
-        owner = type(self).__name__
         self.state_dtype = precision.check_dtype(owner, "state_dtype", state_dtype)
         if not isinstance(stochastic_rounding, bool):
             raise TypeError(f"{owner}: `stochastic_rounding` must be True or False, got "
@@ -212,14 +214,29 @@ class Updater:
             raise ValueError(f"{owner}: `rounding_seed` must be an int in [0, 2**32), got "
                              f"{rounding_seed!r}.")
         self.rounding_seed = int(rounding_seed)
+        if not isinstance(follow_learning_rate, bool):
+            raise TypeError(f"{owner}: `follow_learning_rate` must be True or False, got "
+                            f"{follow_learning_rate!r}.")
+        self.follow_learning_rate = follow_learning_rate
 
-    def hyperparameter(self, name, value, check=None, rule=""):
+    def _set_options(self, options):
+        """Checks `options` and makes their transforms (each reads its value by name)."""
+        self.options = check_options(type(self).__name__, options)
+        for name, option in OPTIONS.items():
+            self._specs.pop(name, None)
+            if option.kind == "number" and name in self.options:
+                self._specs[name] = hyperparameters.Spec(option.check, option.rule)
+        self.transforms = transforms_from(self.options, self.value)
+
+    def hyperparameter(self, name, value, check=None, rule="", fixed=False):
         """Sets the rule hyperparameter `name`: a float, or a schedule of the step.
 
         A schedule is any `keras.optimizers.schedules.LearningRateSchedule`,
         evaluated at the optimizer's iteration like the learning rate; the
         rule reads either through `value(name, step)`. Hyperparameters set
-        this way are also the updater's config (`get_config`).
+        this way are also the updater's config (`get_config`), and a constant
+        one is state once the optimizer is built: set it then and the next
+        step uses the new value (`sparseopt.updaters.hyperparameters`).
 
         Args:
             name: the attribute and config key.
@@ -227,17 +244,101 @@ class Updater:
             check: predicate a constant value must satisfy (schedules are
                 checked by what they produce, not here).
             rule: what `check` requires, for messages.
+            fixed: `True` if the rule reads the value in Python (a branch, a
+                slot's existence), so it cannot change once built; or a
+                predicate of the value when built (e.g. `lambda v: v == 0`).
         """
-        owner = type(self).__name__
-        if not isinstance(value, keras.optimizers.schedules.LearningRateSchedule):
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise TypeError(f"{owner}: `{name}` must be a float or a "
-                                f"LearningRateSchedule, got {value!r}.")
-            if check is not None and not check(value):
-                raise ValueError(f"{owner}: `{name}` must be {rule}, got {value!r}.")
-            value = float(value)
+        self._set_hyperparameter(name, value, hyperparameters.Spec(check, rule, fixed))
         self.__dict__.setdefault("_hyperparameters", []).append(name)
-        setattr(self, name, value)
+
+    def _set_hyperparameter(self, name, value, spec):
+        self._specs[name] = spec
+        object.__setattr__(self, name, spec.checked(type(self).__name__, name, value))
+
+    @property
+    def hyperparameters(self):
+        """The names of every float the step reads: `learning_rate`, the rule's
+        hyperparameters, the numeric options that are set."""
+        return list(self._specs)
+
+    def __getattr__(self, name):
+        # Options read as attributes (`updater.clipvalue`, None when off), as a
+        # Keras optimizer's do; they are kept in `options`.
+        if name in OPTIONS:
+            return self.__dict__.get("options", {}).get(name)
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    def _store(self, name, value):
+        if name in OPTIONS:
+            self.options[name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name, value):
+        if name.startswith("_") or self.__dict__.get("_init_depth"):
+            object.__setattr__(self, name, value)
+            return
+        tables = self.tables
+        if name in OPTIONS:
+            if tables and (name not in self._specs or value is None):
+                raise self._fixed_error(name, tables, "it was off when the optimizer was "
+                                        "built" if name not in self._specs else
+                                        "it turns off a transform built into the step")
+            if not tables:
+                self._set_options({**self.options, name: value})
+                return
+        if name in self._specs:
+            spec = self._specs[name]
+            value = spec.checked(type(self).__name__, name, value)
+            if tables and not spec.may_change(getattr(self, name), value):
+                raise self._fixed_error(name, tables, f"the step was built for "
+                                        f"{getattr(self, name)!r}; a schedule or a value "
+                                        "that changes the step's shape cannot be swapped in")
+            previous = getattr(self, name)
+            self._store(name, value)
+            try:
+                self._check_settings()
+            except Exception:
+                self._store(name, previous)
+                raise
+            for trainer in self._live_trainers():
+                trainer.set_hyperparameter(name, value)
+            return
+        if tables and name != "name":
+            raise self._fixed_error(name, tables, "it decides the step's state and code")
+        object.__setattr__(self, name, value)
+
+    def _live_trainers(self):
+        alive = [t for t in (ref() for ref in self.__dict__.get("_trainers", ())) if t is not None]
+        self.__dict__["_trainers"] = [weakref.ref(t) for t in alive]
+        return alive
+
+    @property
+    def tables(self):
+        """The paths of the tables this updater trains in a built optimizer."""
+        return sorted(t.name for t in self._live_trainers())
+
+    def restore_hyperparameter(self, name, value):
+        """Sets `name` to `value` read back from a trainer's variable (a checkpoint load)."""
+        self._store(name, value)
+
+    def bind(self, trainer):
+        """Records that `trainer` (a built `TableTrainer`) reads this updater's values."""
+        self._trainers.append(weakref.ref(trainer))
+
+    def _fixed_error(self, name, tables, why):
+        return ValueError(
+            f"{type(self).__name__} '{self.name}': `{name}` cannot change once the optimizer "
+            f"that trains {tables} is built ({why}). These can change: "
+            f"{sorted(self.state_hyperparameters)}. To change `{name}`, make a new updater "
+            "and compile the model again (the tables keep their values; the updater state "
+            "starts afresh).")
+
+    @property
+    def state_hyperparameters(self):
+        """The hyperparameters that live in variables once built: `{name: value}`."""
+        return {n: getattr(self, n) for n, spec in self._specs.items()
+                if spec.is_state(getattr(self, n))}
 
     @property
     def scheduled(self):
@@ -246,8 +347,26 @@ class Updater:
                 if not isinstance(getattr(self, n), float)]
 
     def value(self, name, step):
-        """Hyperparameter `name` at `step` (1-based, as `update` gets it): a scalar tensor."""
+        """Hyperparameter `name` at `step` (1-based, as `update` gets it): a scalar tensor.
+
+        In a table's step, the value the trainer read for this step (its
+        variable, or its schedule at the step); elsewhere the updater's own.
+        """
+        values = hyperparameters.current(self)
+        if values is not None and name in values:
+            return values[name]
         return value_at(getattr(self, name), step)
+
+    def values_at(self, step, variables=None):
+        """`{name: scalar float32 tensor}`: every hyperparameter at `step` (1-based).
+
+        Args:
+            step: the 1-based update count (schedules are evaluated at `step - 1`).
+            variables: `{name: Keras variable}` holding some of them (a trainer's).
+        """
+        variables = variables or {}
+        return {n: (ops.cast(variables[n].value, "float32") if n in variables
+                    else value_at(getattr(self, n), step)) for n in self._specs}
 
     def _check_settings(self):
         """Checks that need the whole updater (run once its `__init__` is done)."""
@@ -261,17 +380,34 @@ class Updater:
 
     @property
     def slots(self):
-        """The state slots: the rule's, then the row's last step where `lazy=False` or
-        `ema_momentum` is set, then the moving average's offset where `ema_momentum` is."""
+        """The state slots: the rule's (but `unread_slots`), then the row's last step where
+        `lazy=False` or `ema_momentum` is set, then the moving average's offset where
+        `ema_momentum` is."""
+        unread = set(self.__dict__.get("_unread_slots", ()))
+        return tuple(s for s in self.legacy_slots if s.name not in unread)
+
+    @slots.setter
+    def slots(self, value):
+        self._rule_slots = tuple(value)
+
+    @property
+    def unread_slots(self):
+        """Names of rule slots this configuration never reads (e.g. Adam's momentum
+        where `beta_1=0`): they get no variable. A rule sets it after `slots`."""
+        return self.__dict__.get("_unread_slots", ())
+
+    @unread_slots.setter
+    def unread_slots(self, names):
+        self._unread_slots = tuple(names)
+
+    @property
+    def legacy_slots(self):
+        """`slots` with the unread ones: what sparseopt 0.2 kept (its checkpoints load)."""
         own = self.__dict__.get("_rule_slots", ())
         ema = self.__dict__.get("ema_momentum") is not None
         if ema:
             return own + (LAST_STEP, EMA_OFFSET)
         return own if self.__dict__.get("lazy", True) else own + (LAST_STEP,)
-
-    @slots.setter
-    def slots(self, value):
-        self._rule_slots = tuple(value)
 
     @property
     def tracks_rows(self):
@@ -311,9 +447,7 @@ class Updater:
 
     def learning_rate_at(self, step):
         """The learning rate at `step` (the optimizer's 0-based iteration)."""
-        if isinstance(self.learning_rate, keras.optimizers.schedules.LearningRateSchedule):
-            return ops.cast(self.learning_rate(step), "float32")
-        return ops.convert_to_tensor(self.learning_rate, "float32")
+        return self.value("learning_rate", step + 1)
 
     def update(self, rows, state, grads, learning_rate, step):
         """Apply the rule to the touched rows.
@@ -338,8 +472,8 @@ class Updater:
             options["lazy"] = False
         if self.ema_momentum is not None:
             options["ema_momentum"] = self.ema_momentum
-        # Storage settings, where not the defaults (older configs load unchanged).
-        for key, default in STORAGE_DEFAULTS.items():
+        # Settings, where not the defaults (older configs load unchanged).
+        for key, default in {**STORAGE_DEFAULTS, "follow_learning_rate": True}.items():
             if getattr(self, key) != default:
                 options[key] = getattr(self, key)
         return {"learning_rate": _serialized(self.learning_rate), "name": self.name, **options}

@@ -25,8 +25,6 @@ so after `k` steps `m_k = b^k m` and `w_k = a^k w + c m S_k` with
 `S_k = sum_{j<k} a^(k-1-j) b^j`.
 """
 
-import math
-
 from keras import ops
 
 from sparseopt.updaters.transforms import chain
@@ -36,20 +34,25 @@ EMA_OFFSET_SLOT = "ema_offset"
 
 
 def power(base, steps):
-    """`base ** steps` for a float `base` and int `steps` (a tensor)."""
-    if base == 1.0:
+    """`base ** steps` for a float or scalar-tensor `base` and int `steps` (a tensor)."""
+    if isinstance(base, float) and base == 1.0:
         return ops.ones(ops.shape(steps), "float32")
     return ops.power(ops.convert_to_tensor(base, "float32"), ops.cast(steps, "float32"))
 
 
 def _geometric(a, b, steps):
-    """`sum_{j<k} a^(k-1-j) b^j` per row, stable when `a` and `b` are close."""
+    """`sum_{j<k} a^(k-1-j) b^j` per row, stable when `a` and `b` are close.
+
+    `a` and `b` are scalars (floats or tensors: the step's hyperparameters).
+    """
     k = ops.cast(steps, "float32")
-    lead = ops.exp((k - 1.0) * math.log(a))  # a^(k-1)
-    d = b / a - 1.0
-    if d == 0.0:
-        return k * lead
-    return lead * ops.expm1(k * math.log1p(d)) / d
+    a = ops.convert_to_tensor(a, "float32")
+    lead = ops.exp((k - 1.0) * ops.log(a))  # a^(k-1)
+    d = ops.convert_to_tensor(b, "float32") / a - 1.0
+    exact = d == 0.0  # b == a: k equal terms
+    safe = ops.where(exact, 1.0, d)
+    terms = ops.where(exact, k, ops.expm1(k * ops.log1p(safe)) / safe)
+    return ops.where(k > 0, lead * terms, 0.0)
 
 
 def momentum_steps(rows, momentum, steps, a, b, c):
@@ -59,15 +62,13 @@ def momentum_steps(rows, momentum, steps, a, b, c):
         rows: `[U, D]`.
         momentum: `[U, D]` momentum before the missed steps.
         steps: int `[U]`.
-        a: decay factor per step; `b`: momentum; `c`: the rule's weight on
-            the old momentum (floats or scalar tensors; `a`, `b` floats).
+        a: decay factor per step; `b`: momentum (not 0); `c`: the rule's
+            weight on the old momentum (floats or scalar tensors).
 
     Returns:
         `(rows, momentum)` after the missed steps.
     """
     decayed = rows * power(a, steps)[:, None]
-    if b == 0.0:
-        return decayed, ops.where((steps > 0)[:, None], 0.0, momentum)
     return (decayed + c * _geometric(a, b, steps)[:, None] * momentum,
             momentum * power(b, steps)[:, None])
 
@@ -81,10 +82,24 @@ def decay_only(updater, rows, state, steps, decay, learning_rate):
     return rows * power(decay, steps)[:, None], state
 
 
-def decay_factor(updater):
-    """The per-step factor `1 - wd (* lr)` of decoupled weight decay (1.0 without).
+def decay_per_step(updater, learning_rate):
+    """The factor `1 - wd (* lr)` of decoupled weight decay per step, as the step reads it.
 
-    A Python float: `check` makes sure what it reads is constant.
+    A scalar tensor (1.0 without decay): `weight_decay` as the step's
+    hyperparameters give it (0 for a table excluded from weight decay), times
+    the step's learning rate unless `multiply_weight_decay_by_learning_rate=False`.
+    """
+    if "weight_decay" not in updater.options:
+        return 1.0
+    times_lr = updater.options.get("multiply_weight_decay_by_learning_rate", True)
+    wd = updater.value("weight_decay", None)
+    return 1.0 - wd * (learning_rate if times_lr else 1.0)
+
+
+def decay_factor(updater):
+    """The per-step factor `1 - wd (* lr)` of the updater's own constants (1.0 without).
+
+    A Python float, for `check`: the step reads `decay_per_step`.
     """
     wd = updater.options.get("weight_decay")
     if not wd:
@@ -148,8 +163,8 @@ def _missed(updater, rows, state, missed, learning_rate):
     """
     own = {k: v for k, v in state.items() if k not in (LAST_STEP_SLOT, EMA_OFFSET_SLOT)}
     if not updater.lazy:
-        rows, own = updater.missed_steps(rows, own, missed, decay_factor(updater),
-                                         learning_rate)
+        rows, own = updater.missed_steps(rows, own, missed,
+                                         decay_per_step(updater, learning_rate), learning_rate)
     offset = None
     if updater.ema_momentum is not None:
         offset = state[EMA_OFFSET_SLOT] * power(updater.ema_momentum, missed)[:, None]

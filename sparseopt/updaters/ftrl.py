@@ -59,7 +59,10 @@ class Ftrl(Updater):
                  beta=0.0, initial_accumulator_value=0.1,
                  multiply_linear_by_learning_rate=False, name=None, **options):
         super().__init__(learning_rate, name=name, **options)
-        self.hyperparameter("learning_rate_power", learning_rate_power, lambda v: v <= 0, "<= 0")
+        # -0.5 takes a square root instead of a power; 0 allows a zero
+        # initial accumulator: each is a kind of step, not a value to change into.
+        self.hyperparameter("learning_rate_power", learning_rate_power, lambda v: v <= 0, "<= 0",
+                            fixed=lambda v: (v == -0.5, v == 0))
         self.hyperparameter("l1_regularization_strength", l1_regularization_strength,
                             lambda v: v >= 0, ">= 0")
         self.hyperparameter("l2_regularization_strength", l2_regularization_strength,

@@ -40,15 +40,20 @@ class LaProp(Updater):
 
     def __init__(self, learning_rate=0.001, b1=0.9, b2=0.95, eps=1e-30, name=None, **options):
         super().__init__(learning_rate, name=name, **options)
-        self.hyperparameter("b1", b1, lambda v: 0 <= v < 1, "in [0, 1)")
+        # 0: no momentum kept (the step never reads `mu`), so no slot.
+        self.hyperparameter("b1", b1, lambda v: 0 <= v < 1, "in [0, 1)", fixed=lambda v: v == 0)
         self.hyperparameter("b2", b2, lambda v: 0 <= v < 1, "in [0, 1)")
         self.hyperparameter("eps", eps, lambda v: v > 0, "> 0")
         self.slots = (SlotSpec("mu"), SlotSpec("nu"))
+        self.unread_slots = () if self.b1 else ("mu",)
 
     def update(self, rows, state, grads, learning_rate, step):
         t = ops.cast(step, "float32")
         b1, b2 = self.value("b1", step), self.value("b2", step)
         d = b2 * (1 - ops.power(b2, t - 1)) / (1 - ops.power(b2, t))
         nu = d * state["nu"] + (1 - d) * (ops.square(grads) + self.value("eps", step))
-        mu = b1 * state["mu"] + ops.sqrt(1 - ops.square(b1)) * grads * ops.rsqrt(nu)
+        scaled = ops.sqrt(1 - ops.square(b1)) * grads * ops.rsqrt(nu)
+        if not self.b1:  # mu is this step's scaled gradient
+            return rows - learning_rate * scaled, {"nu": nu}
+        mu = b1 * state["mu"] + scaled
         return rows - learning_rate * mu, {"mu": mu, "nu": nu}

@@ -3,7 +3,7 @@
 import keras
 from keras import ops
 
-from sparseopt.updaters.adam import set_betas
+from sparseopt.updaters.adam import first_moment, set_betas, unread_momentum
 from sparseopt.updaters.base import SlotSpec, Updater
 
 
@@ -40,13 +40,14 @@ class PartialRowwiseAdam(Updater):
         super().__init__(learning_rate, name=name, **options)
         set_betas(self, beta_1, beta_2, epsilon)
         self.slots = (SlotSpec("momentum"), SlotSpec("velocity", rowwise=True))
+        self.unread_slots = unread_momentum(self)
 
     def update(self, rows, state, grads, learning_rate, step):
         t = ops.cast(step, "float32")
         b1, b2 = self.value("beta_1", step), self.value("beta_2", step)
-        m = b1 * state["momentum"] + (1 - b1) * grads
+        m, moments = first_moment(self, state, grads, b1)
         v = b2 * state["velocity"] + (1 - b2) * ops.mean(ops.square(grads), axis=-1)
         m_hat = m / (1 - ops.power(b1, t))
         v_hat = v / (1 - ops.power(b2, t))
         step_size = learning_rate / (ops.sqrt(v_hat) + self.value("epsilon", step))
-        return rows - step_size[:, None] * m_hat, {"momentum": m, "velocity": v}
+        return rows - step_size[:, None] * m_hat, {**moments, "velocity": v}

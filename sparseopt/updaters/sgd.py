@@ -40,7 +40,9 @@ class SGD(Updater):
 
     def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, name=None, **options):
         super().__init__(learning_rate, name=name, **options)
-        self.hyperparameter("momentum", momentum, lambda v: 0 <= v < 1, "in [0, 1)")
+        # 0: no momentum slot (and TF's plain scatter): not a value to change into.
+        self.hyperparameter("momentum", momentum, lambda v: 0 <= v < 1, "in [0, 1)",
+                            fixed=lambda v: v == 0)
         if nesterov and not self.momentum:
             raise ValueError("SGD: `nesterov=True` needs `momentum > 0`.")
         self.nesterov = bool(nesterov)
@@ -63,9 +65,9 @@ class SGD(Updater):
         if not self.momentum:
             return catch_up.decay_only(self, rows, state, steps, decay, learning_rate)
         # One missed step: m <- mu m; w <- decay w + mu m_old (nesterov: mu^2 m_old).
-        weight = self.momentum ** 2 if self.nesterov else self.momentum
-        rows, m = catch_up.momentum_steps(rows, state["momentum"], steps, decay,
-                                          self.momentum, weight)
+        mu = self.value("momentum", None)
+        weight = mu * mu if self.nesterov else mu
+        rows, m = catch_up.momentum_steps(rows, state["momentum"], steps, decay, mu, weight)
         return rows, {"momentum": m}
 
     def update(self, rows, state, grads, learning_rate, step):

@@ -72,13 +72,16 @@ class ClipValue(RowTransform):
 
     The summed gradient is what a dense optimizer sees for that row, so this is
     `keras.optimizers.Optimizer(clipvalue=limit)` for a table.
+
+    Args:
+        read: `read(name, step)`, the option's value at `step` (`Updater.value`).
     """
 
-    def __init__(self, limit):
-        self.limit = limit
+    def __init__(self, read):
+        self.read = read
 
     def before_rule(self, rows, grads, learning_rate, step):
-        limit = value_at(self.limit, step)
+        limit = self.read("clipvalue", step)
         return rows, ops.clip(grads, -limit, limit)
 
 
@@ -87,20 +90,23 @@ class ClipNorm(RowTransform):
 
     Per row (FBGEMM's and TPU embedding's granularity), unlike Keras'
     `clipnorm`, which clips the norm of a variable's whole gradient.
+
+    Args:
+        read: as `ClipValue`'s.
     """
 
-    def __init__(self, limit):
-        self.limit = limit
+    def __init__(self, read):
+        self.read = read
 
     def before_rule(self, rows, grads, learning_rate, step):
-        return rows, _scale_to_norm(grads, value_at(self.limit, step))
+        return rows, _scale_to_norm(grads, self.read("clipnorm", step))
 
 
 class WeightDecay(RowTransform):
     """Weight decay of the touched rows.
 
     Args:
-        factor: the decay `wd` (`>= 0`), or a schedule.
+        read: as `ClipValue`'s; reads `weight_decay`, the decay `wd` (`>= 0`).
         mode: `"decoupled"`: `w <- w - wd * w` before the rule (Keras'
             `weight_decay`, AdamW); `"l2"`: `g <- g + wd * w` (an L2 penalty
             `wd / 2 * ||w||^2` on the touched rows, TPU embedding's
@@ -109,13 +115,13 @@ class WeightDecay(RowTransform):
             for `"decoupled"` (as Keras), no for `"l2"` (a penalty's gradient).
     """
 
-    def __init__(self, factor, mode, times_learning_rate):
-        self.factor, self.mode = factor, mode
+    def __init__(self, read, mode, times_learning_rate):
+        self.read, self.mode = read, mode
         self.times_learning_rate = (mode == "decoupled" if times_learning_rate is None
                                     else times_learning_rate)
 
     def _amount(self, learning_rate, step):
-        factor = value_at(self.factor, step)
+        factor = self.read("weight_decay", step)
         return factor * learning_rate if self.times_learning_rate else factor
 
     def before_rule(self, rows, grads, learning_rate, step):
@@ -126,27 +132,36 @@ class WeightDecay(RowTransform):
 
 
 class ClipWeight(RowTransform):
-    """Clips each entry of the updated rows to `[low, high]` (either may be None)."""
+    """Clips each entry of the updated rows to `[low, high]` (whichever is set).
 
-    def __init__(self, low, high):
-        self.low, self.high = low, high
+    Args:
+        read: as `ClipValue`'s.
+        low, high: whether `clip_weight_min` / `clip_weight_max` are set.
+    """
+
+    def __init__(self, read, low, high):
+        self.read, self.low, self.high = read, low, high
 
     def after_rule(self, rows, new_rows, learning_rate, step):
-        if self.low is not None:
-            new_rows = ops.maximum(new_rows, value_at(self.low, step))
-        if self.high is not None:
-            new_rows = ops.minimum(new_rows, value_at(self.high, step))
+        if self.low:
+            new_rows = ops.maximum(new_rows, self.read("clip_weight_min", step))
+        if self.high:
+            new_rows = ops.minimum(new_rows, self.read("clip_weight_max", step))
         return new_rows
 
 
 class MaxNorm(RowTransform):
-    """Scales each updated row down to L2 norm `limit` where it is larger."""
+    """Scales each updated row down to L2 norm `max_norm` where it is larger.
 
-    def __init__(self, limit):
-        self.limit = limit
+    Args:
+        read: as `ClipValue`'s.
+    """
+
+    def __init__(self, read):
+        self.read = read
 
     def after_rule(self, rows, new_rows, learning_rate, step):
-        return _scale_to_norm(new_rows, value_at(self.limit, step))
+        return _scale_to_norm(new_rows, self.read("max_norm", step))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,26 +248,32 @@ def check_options(owner, options):
     return out
 
 
-def transforms_from(options):
-    """The transforms for checked `options` (from `check_options`), in the chain's order."""
+def transforms_from(options, read):
+    """The transforms for checked `options` (from `check_options`), in the chain's order.
+
+    Args:
+        options: the checked options.
+        read: `read(name, step)`, an option's value at `step`: each transform
+            reads its value through it, so a value that changes (a variable
+            of the step, or a schedule) reaches it.
+    """
     out = []
     decay = None
     if "weight_decay" in options:
-        decay = WeightDecay(options["weight_decay"],
-                            options.get("weight_decay_mode", "decoupled"),
+        decay = WeightDecay(read, options.get("weight_decay_mode", "decoupled"),
                             options.get("multiply_weight_decay_by_learning_rate"))
     if decay is not None and decay.mode == "l2":
         out.append(decay)
     if "clipvalue" in options:
-        out.append(ClipValue(options["clipvalue"]))
+        out.append(ClipValue(read))
     if "clipnorm" in options:
-        out.append(ClipNorm(options["clipnorm"]))
+        out.append(ClipNorm(read))
     if decay is not None and decay.mode == "decoupled":
         out.append(decay)
     if "clip_weight_min" in options or "clip_weight_max" in options:
-        out.append(ClipWeight(options.get("clip_weight_min"), options.get("clip_weight_max")))
+        out.append(ClipWeight(read, "clip_weight_min" in options, "clip_weight_max" in options))
     if "max_norm" in options:
-        out.append(MaxNorm(options["max_norm"]))
+        out.append(MaxNorm(read))
     return tuple(out)
 
 

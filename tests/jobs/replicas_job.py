@@ -58,7 +58,7 @@ def mirrored():
     return _STRATEGY[0]
 
 
-def recommender(group_tables=False):
+def recommender(group_tables=False, **options):
     keras.utils.set_random_seed(1)
     up = sparseopt.updaters
     inputs = {n: keras.Input((k,), dtype="int32", name=n)
@@ -76,7 +76,7 @@ def recommender(group_tables=False):
     out = keras.layers.Dense(1, name="head")(keras.layers.Concatenate()(parts))
     model = keras.Model(inputs, out)
     model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam(0.01),
-                                                        group_tables=group_tables),
+                                                        group_tables=group_tables, **options),
                   loss="mse")
     return model
 
@@ -159,6 +159,26 @@ def run_fit(out):
 def counts(model):
     return {"dropped": model.optimizer.dropped_ids(),
             "skipped": model.optimizer.skipped_steps()}
+
+
+def run_controls(out):
+    """The training loop's controls under the strategy: two micro-batches per update,
+    one clipping norm over everything, a learning-rate callback halving every rate."""
+    x, y = recommender_data(5)
+    arrays, strategy = {}, mirrored()
+    halve = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.01 / 2 ** epoch)
+    options = {"gradient_accumulation_steps": 2, "global_clipnorm": 0.05}
+    for name in ("single", "multi"):
+        keras.backend.clear_session()
+        if name == "multi":
+            with strategy.scope():
+                model = recommender(**options)
+        else:
+            model = recommender(**options)
+        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[halve])
+        arrays.update(primary(model, name))
+    arrays.update(copies(strategy, model, "copies"))
+    np.savez(os.path.join(out, "controls.npz"), **arrays)
 
 
 def run_uneven(out):
@@ -314,7 +334,7 @@ def write_json(out, name, report):
 
 if __name__ == "__main__":
     target = sys.argv[1]
-    for run in (run_fit, run_uneven, run_scaled, run_graph, run_refused):
+    for run in (run_fit, run_controls, run_uneven, run_scaled, run_graph, run_refused):
         start = time.perf_counter()
         run(target)
         print(f"{run.__name__}: {time.perf_counter() - start:.1f} s", flush=True)

@@ -55,8 +55,9 @@ BATCH, STEPS = 48, 12  # 48: no batch-sized dimension equals a table shard's row
 LAYOUTS = ("single", "rows8", "rows2x4", "cols2x4", "data8")
 
 
-def build_model(layout="single", scale=1):
-    """The model under `layout`; `scale` multiplies every table's rows."""
+def build_model(layout="single", scale=1, **options):
+    """The model under `layout`; `scale` multiplies every table's rows; `options` go
+    to the `DispatchOptimizer`."""
     keras.backend.clear_session()  # the same variable paths in every run (and no distribution)
     keras.distribution.set_distribution(distribution(layout))
     keras.utils.set_random_seed(1)
@@ -72,7 +73,7 @@ def build_model(layout="single", scale=1):
     x = keras.layers.Concatenate()(features + [keras.layers.Dense(8, name="bottom")(dense_in)])
     x = keras.layers.Dense(16, activation="relu", name="top")(x)
     model = keras.Model(inputs, keras.layers.Dense(1, name="logit")(x))
-    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam(0.01)),
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam(0.01), **options),
                   loss=keras.losses.BinaryCrossentropy(from_logits=True))
     return model
 
@@ -210,6 +211,19 @@ def run(layout, out, x, y, init):
             report["uneven_table"] = str(e)
     with open(os.path.join(out, f"{layout}.json"), "w") as f:
         json.dump(report, f)
+
+
+def run_controls(layout, out, x, y, init):
+    """The training loop's controls under `layout`: 2 micro-batches per update, one
+    clipping norm over dense gradients and tables' rows (each shard's summed), and a
+    learning-rate callback halving every rate each epoch. Leaves `<layout>_controls.npz`."""
+    model = build_model(layout, gradient_accumulation_steps=2, global_clipnorm=0.5)
+    model.set_weights(init)
+    halve = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.01 / 2 ** epoch)
+    half = len(y) // 2
+    model.fit({k: v[:half] for k, v in x.items()}, y[:half], batch_size=BATCH, epochs=2,
+              shuffle=False, verbose=0, callbacks=[halve])
+    np.savez(os.path.join(out, f"{layout}_controls.npz"), **everything(model))
 
 
 def run_routing(layout, out):
@@ -398,6 +412,8 @@ def main():
         if jax.process_count() == 1 and layout in ("single", "rows8", "rows2x4"):
             run_bfloat16(layout, args.out)
             run_routing(layout, args.out)
+        if jax.process_count() == 1 and layout in ("single", "rows8"):
+            run_controls(layout, args.out, x, y, init)
         print("done", layout, flush=True)
     if jax.process_count() == 1 and args.layouts == list(LAYOUTS):
         reshard(args.out, x, y, init)

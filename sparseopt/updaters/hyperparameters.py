@@ -1,0 +1,107 @@
+"""Hyperparameters as state: what a table's step reads, and what may change after build.
+
+Every float an updater's step reads (its learning rate, each rule parameter
+set with `Updater.hyperparameter`, each numeric option such as
+`weight_decay`) is a hyperparameter. Once the optimizer is built, a constant
+one lives in a scalar optimizer variable of each table the updater trains
+(`TableTrainer.hyperparameters`): the traced step reads the variable, so
+`updater.beta_1 = 0.8` after compile takes effect at the next step with no
+retrace, and checkpoints save and restore it, like the learning-rate
+variable of a Keras optimizer. A schedule stays a function of the step (it
+has no variable; a callback changes it by changing the schedule's own
+state, as in Keras).
+
+A value that decides the shape of the step is fixed once built: a rule that
+branches on it in Python (SGD's `momentum=0` has no momentum slot and runs
+TF's plain scatter; FTRL's `learning_rate_power=-0.5` takes a square root),
+or an option that was off (no transform to feed). Setting it after build is
+an error that names the table and the fix.
+
+The step reads the values through `reading(updater, values)`: the trainer
+evaluates every hyperparameter once per step (variables, schedules, the
+learning rate that follows the dense one) and the rule's `self.value(name,
+step)` returns them. Per thread: TF `MirroredStrategy` traces its replicas
+in threads, each with its own values.
+"""
+
+import contextlib
+import dataclasses
+import numbers
+import threading
+
+import keras
+
+_Schedule = keras.optimizers.schedules.LearningRateSchedule
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """How one hyperparameter is checked and whether it may change once built.
+
+    Args:
+        check: predicate a constant value must satisfy (None: any number).
+        rule: what `check` requires, for messages.
+        fixed: `True` if the value is fixed once built; or a function of a
+            value that the step's shape depends on (e.g. `lambda v: v == 0`
+            for a momentum whose 0 means "no momentum slot"): the value may
+            then change to any value of which it gives the same result.
+        schedule: whether a `LearningRateSchedule` is allowed.
+    """
+
+    check: object = None
+    rule: str = ""
+    fixed: object = False
+    schedule: bool = True
+
+    def checked(self, owner, name, value):
+        """`value` as stored: a float, or a schedule; raises naming `owner` otherwise."""
+        if isinstance(value, _Schedule):
+            if not self.schedule:
+                raise TypeError(f"{owner}: `{name}` must be a float, got a schedule "
+                                f"{value!r}.")
+            return value
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            kinds = "a float or a LearningRateSchedule" if self.schedule else "a float"
+            raise TypeError(f"{owner}: `{name}` must be {kinds}, got {value!r}.")
+        if self.check is not None and not self.check(value):
+            raise ValueError(f"{owner}: `{name}` must be {self.rule}, got {value!r}.")
+        return float(value)
+
+    def may_change(self, built, value):
+        """Whether a hyperparameter built with `built` may take `value` afterwards."""
+        if isinstance(built, _Schedule) or isinstance(value, _Schedule):
+            return False  # a schedule is part of the traced step; a constant is a variable
+        if callable(self.fixed):
+            return self.fixed(built) == self.fixed(value)
+        return not self.fixed
+
+    def is_state(self, value):
+        """Whether a hyperparameter with this `value` lives in a variable once built."""
+        return not isinstance(value, _Schedule) and self.fixed is not True
+
+
+_READING = threading.local()
+
+
+@contextlib.contextmanager
+def reading(updater, values):
+    """Within: `updater.value(name, step)` returns `values[name]` (this thread only).
+
+    Args:
+        updater: the `Updater` whose rule runs.
+        values: `{name: scalar tensor}`, or None to read the updater's own values.
+    """
+    stack = _READING.__dict__.setdefault("stack", [])
+    stack.append((updater, values))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def current(updater):
+    """The values `reading` set for `updater` in this thread, or None."""
+    for owner, values in reversed(_READING.__dict__.get("stack", ())):
+        if owner is updater:
+            return values
+    return None
