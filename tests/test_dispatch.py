@@ -187,10 +187,12 @@ def test_plain_keras_optimizer_is_refused_before_the_first_step():
     assert np.array_equal(to_np(emb.embeddings), table)
 
 
-def test_gradient_accumulation_is_refused_with_a_clear_error():
+def test_gradient_accumulation_without_a_batch_to_size_its_buffers_is_refused_clearly():
+    # (Accumulation itself: tests/test_gradient_accumulation.py.)
     model, _ = table_model(VOCAB, WIDTH, N_IDS, sparseopt.updaters.Adagrad(0.1))
     opt = sparseopt.DispatchOptimizer(keras.optimizers.Adam(gradient_accumulation_steps=4))
-    with pytest.raises(ValueError, match="gradient_accumulation_steps=4.*emb/embeddings"):
+    with pytest.raises(ValueError, match="gradient_accumulation_steps needs.*emb/embeddings"
+                                         ".*accumulation_ids_per_step"):
         opt.build(model.trainable_variables)
 
 

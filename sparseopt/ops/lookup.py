@@ -194,7 +194,8 @@ class SparseLookup:
 
     def _record_size(self, ids):
         token, replica = backend.trace_token(ids), backend.replica_id()
-        known = all(d is not None for d in ids.shape)
+        # Symbolic dimensions (Keras' shape inference on JAX) are not known sizes.
+        known = all(isinstance(d, (int, np.integer)) for d in ids.shape)
         count = int(np.prod(ids.shape)) if known else None
         if token is None or token != self._sizes.get(replica, (None,))[0]:
             self._sizes[replica] = (token, [])  # eager: each call is a pass
