@@ -25,15 +25,19 @@ demo: $(STAMP)
 # `backend_independent` (configuration round trips; child processes that pick
 # their own backend) run once, in the TensorFlow session; those also marked
 # `jax_session` run once in the JAX session instead, to balance the two.
-# `make test-all`: the same with the thorough property tests (1000 Hypothesis
-# examples per backend instead of 200).
+# `make test-all`: the same with the thorough cases: every configuration of
+# each registry-driven test where `make test` runs one of each kind (tests
+# marked `thorough`, `tests/helpers.kinds`), the child jobs at full scope
+# (SPARSEOPT_THOROUGH=1: every sharded layout, every resume variant), and
+# 1000 Hypothesis examples per backend instead of 40.
 PYTEST_ARGS ?=
+SUITE ?= and not thorough
 # JAX's persistent compilation cache, shared by both sessions and the child
 # processes they start (resume, examples, sharded jobs compile the same steps
 # again): 116 -> 88 s for tests/test_resume.py on JAX, measured from cold.
 # Keyed by the program, devices and JAX version, so it never changes a result.
 JAX_CACHE = JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.pytest_tmp/jax_cache \
-	JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.2
+	JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 
 # The two backends run side by side (each suite keeps about one core busy),
 # each printing its whole output when it ends.
@@ -41,18 +45,18 @@ test: $(STAMP)
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-jax test-tensorflow
 
 test-all: $(STAMP)
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-jax test-tensorflow \
-		PYTEST_ARGS="--hypothesis-profile=full"
+	SPARSEOPT_THOROUGH=1 $(MAKE) --no-print-directory -j2 --output-sync=target test-jax \
+		test-tensorflow PYTEST_ARGS="--hypothesis-profile=full" SUITE=""
 
 test-jax: $(STAMP)
 	mkdir -p .pytest_tmp
 	$(JAX_CACHE) KERAS_BACKEND=jax $(BIN)/python -m pytest --basetemp=.pytest_tmp/jax \
-		-m "not backend_independent" $(PYTEST_ARGS)
+		-m "not backend_independent $(SUITE)" $(PYTEST_ARGS)
 
 test-tensorflow: $(STAMP)
 	mkdir -p .pytest_tmp
 	$(JAX_CACHE) KERAS_BACKEND=tensorflow $(BIN)/python -m pytest --basetemp=.pytest_tmp/tensorflow \
-		-m "not jax_session" $(PYTEST_ARGS)
+		-m "not jax_session $(SUITE)" $(PYTEST_ARGS)
 
 # The benchmark suite (docs/benchmarks.md): full run ~45 min + the production-shaped
 # grid (dlrm_step.py) ~40 min + every updater (updaters.py) ~3 min + table precision

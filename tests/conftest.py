@@ -8,9 +8,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
-# `make test` runs 120 examples of each property test per backend; `make
+# `make test` runs 40 examples of each property test per backend; `make
 # test-all` runs the thorough 1000 (`pytest --hypothesis-profile=full`).
-settings.register_profile("default", max_examples=120)
+settings.register_profile("default", max_examples=40)
 settings.register_profile("full", max_examples=1000)
 settings.load_profile("default")
 

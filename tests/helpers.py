@@ -1,7 +1,10 @@
-"""Small models shared by the tests."""
+"""Small models shared by the tests, and the environment of their child processes."""
+
+import os
 
 import keras
 import numpy as np
+import pytest
 from keras import ops
 
 import sparseopt
@@ -100,3 +103,43 @@ def optimizer_state(optimizer):
     dispatch = getattr(optimizer, "inner_optimizer", optimizer)
     scratch = {id(v) for v in dispatch.scratch_variables()}
     return [v for v in optimizer.variables if id(v) not in scratch]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# `make test-all`: child jobs at their full scope too (see the Makefile).
+THOROUGH = os.environ.get("SPARSEOPT_THOROUGH") == "1"
+
+
+def child_env(backend=None, **extra):
+    """The environment of a child process the tests start.
+
+    The repository on `PYTHONPATH`, TensorFlow's logs quiet, `KERAS_BACKEND`
+    (this session's unless given), and for JAX children `tests/jax_children`,
+    whose `sitecustomize` keeps Keras from importing TensorFlow only to seed it
+    (5 s per child).
+
+    Args:
+        backend: the child's Keras backend (default: this session's).
+        **extra: more variables.
+    """
+    backend = backend or keras.backend.backend()
+    path = [ROOT] + ([os.path.join(ROOT, "tests", "jax_children")] if backend == "jax" else [])
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.pathsep.join(path))
+    env.update(extra)
+    return env
+
+
+def kinds(cases, keep):
+    """`cases` as parameters: those in `keep` (one of each kind) run in `make test`.
+
+    The others are marked `thorough`: `make test-all` runs them too.
+
+    Args:
+        cases: the parameter values, in order.
+        keep: the values `make test` runs (each must be in `cases`).
+    """
+    keep = set(keep)
+    missing = keep - set(cases)
+    assert not missing, f"not cases: {sorted(missing)}"
+    return [c if c in keep else pytest.param(c, marks=pytest.mark.thorough) for c in cases]

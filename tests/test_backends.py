@@ -13,7 +13,7 @@ from keras import ops
 import sparseopt
 from tests import reference
 from tests.conftest import to_np
-from tests.helpers import optimizer_state
+from tests.helpers import child_env, optimizer_state
 
 BACKEND = keras.backend.backend()
 
@@ -102,7 +102,7 @@ def test_same_model_init_and_data_give_the_same_weights_on_both_backends(tmp_pat
             "json.dump(train_reference_model(), open(sys.argv[1], 'w'))")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", code, str(out)], check=True, cwd=root,
-                   env=dict(os.environ, KERAS_BACKEND=other, TF_CPP_MIN_LOG_LEVEL="2"))
+                   env=child_env(other))
     theirs, ours = json.loads(out.read_text()), train_reference_model()
     assert sorted(theirs) == sorted(ours)
     tables = [p for p in ours if p.endswith("/embeddings")]

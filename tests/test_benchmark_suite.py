@@ -3,11 +3,14 @@
 import pathlib
 import sys
 
+import keras
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
 import report  # noqa: E402
 import run  # noqa: E402
+
+from tests.helpers import child_env, kinds  # noqa: E402
 
 
 def slot(peer, rows, fw="jax"):
@@ -73,10 +76,11 @@ def test_quick_sizes_leave_size_bound_targets_open():
     assert {t["met"] for t in quick if "rows /" in t["target"] or "plain" in t["target"]} == {None}
 
 
-def test_soak_runs_end_to_end_and_judges_memory(tmp_path):
+# `make test`: on JAX (the soak's default); `make test-all`: on both.
+@pytest.mark.parametrize("backend", kinds([keras.backend.backend()], ["jax"]))
+def test_soak_runs_end_to_end_and_judges_memory(tmp_path, backend):
     """A short soak run on this backend: samples, the verdict and the plot."""
     import json
-    import os
     import subprocess
 
     import keras
@@ -89,7 +93,7 @@ def test_soak_runs_end_to_end_and_judges_memory(tmp_path):
         [sys.executable, str(root / "benchmarks" / "soak.py"), "--backends",
          keras.backend.backend(), "--steps", "7000", "--rows", "2000", "--out", str(out),
          "--smoke"],
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"), capture_output=True, text=True,
+        env=child_env(), capture_output=True, text=True,
         timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (result,) = json.loads(out.read_text())
@@ -117,7 +121,6 @@ def test_sharded_benchmark_runs_and_measures_each_device_count(tmp_path):
     """A tiny run: 1 and 8 devices (both ways) side by side, memory 1/n, no table-sized
     collective, routed ids (updates and lookups) 1/4 of every id."""
     import json
-    import os
     import subprocess
 
     root = pathlib.Path(__file__).resolve().parent.parent
@@ -126,7 +129,7 @@ def test_sharded_benchmark_runs_and_measures_each_device_count(tmp_path):
         [sys.executable, str(root / "benchmarks" / "sharded.py"), "--rows", "80000",
          "--devices", "1", "8", "--batch", "256", "--rounds", "1", "--steps", "4",
          "--out", str(out)],
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"), capture_output=True, text=True,
+        env=child_env("jax"), capture_output=True, text=True,
         timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     run_ = json.loads(out.read_text())

@@ -10,6 +10,7 @@ import pytest
 
 import sparseopt
 from tests.fixtures import make_checkpoint as fixture
+from tests.helpers import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,8 +65,7 @@ def test_checkpoint_of_main_0741813_resumes_exactly():
 @pytest.mark.jax_session
 def test_the_fixture_check_holds_on_a_cpu_without_avx512():
     """The same check where XLA may use AVX2 at most, as on many x86-64 machines."""
-    env = dict(os.environ, XLA_FLAGS="--xla_cpu_max_isa=AVX2", TF_CPP_MIN_LOG_LEVEL="3",
-               KERAS_BACKEND="jax", PYTHONPATH=ROOT)
+    env = child_env("jax", XLA_FLAGS="--xla_cpu_max_isa=AVX2")
     proc = subprocess.run([sys.executable, "-c", "from tests.test_checkpoint_fixture import "
                            "check_fixture_resumes as c; c(); print('ok')"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -8,8 +8,8 @@ from keras import ops
 import sparseopt
 from tests import reference
 from tests.conftest import to_np
-from tests.helpers import (OneHotEmbedding, batches, dot_loss, numpy_replay, optimizer_state,
-                           registered_cases, table_model)
+from tests.helpers import (OneHotEmbedding, batches, dot_loss, kinds, numpy_replay,
+                           optimizer_state, registered_cases, table_model)
 
 VOCAB, WIDTH, N_IDS, BATCH = 200, 4, 6, 8
 
@@ -140,7 +140,9 @@ SKIP_UPDATERS = {case: (lambda entry=entry, cfg=cfg: entry(0.1, **cfg))
                  for case, (entry, cfg) in registered_cases(paths_only=True).items()}
 
 
-@pytest.mark.parametrize("updater", sorted(SKIP_UPDATERS))
+# One of each kind: TF's fused kernels (guarded by a cond) and a rule.
+@pytest.mark.parametrize("updater", kinds(sorted(SKIP_UPDATERS), [
+    "SGD:default", "SGD:momentum", "Adagrad:no_epsilon", "Ftrl:default", "Adam:default"]))
 def test_non_finite_gradient_without_loss_scaling_skips_the_table_and_counts_it(updater):
     model, emb = table_model(VOCAB, WIDTH, N_IDS, SKIP_UPDATERS[updater]())
     opt = sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1))

@@ -7,23 +7,31 @@ import sys
 import keras
 import pytest
 
+from tests.helpers import child_env, kinds
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_example(name, *args):
-    env = dict(os.environ, KERAS_BACKEND=keras.backend.backend(), TF_CPP_MIN_LOG_LEVEL="3")
+    env = child_env()
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name), *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
 
-@pytest.mark.parametrize("name", ["dlrm_synthetic.py", "keras_rs_dlrm.py"])
+# `make test` runs each example once, on one backend (the demo's on JAX, as
+# `make demo`); `make test-all` each on both.
+JAX = keras.backend.backend() == "jax"
+
+
+@pytest.mark.parametrize("name", kinds(["dlrm_synthetic.py", "keras_rs_dlrm.py"],
+                                       ["dlrm_synthetic.py" if JAX else "keras_rs_dlrm.py"]))
 def test_example_trains_and_reports(name):
     # The demo also trains plain Keras for a few steps to compare (`make demo`,
     # JAX); checked on JAX, where the TF session's time is tighter.
     compare = "3" if name == "dlrm_synthetic.py" and keras.backend.backend() == "jax" else "0"
-    out = run_example(name, "--examples", "30000", "--validation", "5000", "--chunks", "1",
+    out = run_example(name, "--examples", "10000", "--validation", "2000", "--chunks", "1",
                       "--compare-steps", compare, "--scale", "0.01")
     assert "val loss" in out and "ms/step" in out
     assert "table steps skipped for non-finite gradients: 0" in out
@@ -37,11 +45,11 @@ def test_example_trains_and_reports(name):
 
 @pytest.mark.backend_independent  # sharded_dlrm.py runs on JAX whatever KERAS_BACKEND says
 def test_sharded_example_splits_tables_and_trains():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = child_env("jax", XLA_FLAGS="--xla_force_host_platform_device_count=4")
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "sharded_dlrm.py"), "--examples",
-         "12000", "--validation", "4000", "--chunks", "1", "--scale", "0.1"],
-        cwd=ROOT, env=dict(env, TF_CPP_MIN_LOG_LEVEL="3"), capture_output=True, text=True,
+         "4096", "--validation", "2048", "--chunks", "1", "--scale", "0.1"],
+        cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
@@ -50,7 +58,8 @@ def test_sharded_example_splits_tables_and_trains():
     assert "val loss" in out and "table steps skipped for non-finite gradients: 0" in out
 
 
-def test_two_tower_example_trains_adam_tables_and_recall_rises():
+@pytest.mark.parametrize("backend", kinds([keras.backend.backend()], ["jax"]))
+def test_two_tower_example_trains_adam_tables_and_recall_rises(backend):
     out = run_example("two_tower.py", "--users", "20000", "--items", "5000", "--topics", "50",
                       "--examples", "120000", "--chunks", "2", "--batch", "512")
     assert "tables: Adam (lazy, sparse, in place); dense layers: AdamW" in out

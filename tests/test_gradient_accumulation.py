@@ -12,7 +12,7 @@ import pytest
 import sparseopt
 from tests import reference
 from tests.conftest import to_np
-from tests.helpers import (OneHotEmbedding, batches, dot_loss, optimizer_state,
+from tests.helpers import (OneHotEmbedding, batches, dot_loss, kinds, optimizer_state,
                            registered_cases, table_model)
 
 VOCAB, WIDTH, N_IDS, BATCH, K = 30, 4, 3, 4, 3
@@ -32,7 +32,10 @@ def _table_reference(name, cfg, table0, xs, ys, steps=K, lr=0.05):
 CASES = registered_cases(paths_only=True)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+# One of each kind: TF's fused kernels (plain, momentum), a rule, a rule with an
+# integer slot; `make test-all`: every updater on each of its paths.
+@pytest.mark.parametrize("case", kinds(sorted(CASES), [
+    "Ftrl:default", "Adam:default", "FrequencyAwareAdagrad:default", "SGD:momentum"]))
 def test_every_updater_applies_the_mean_of_k_micro_batches_once(case):
     entry, cfg = CASES[case]
     model, emb = table_model(VOCAB, WIDTH, N_IDS, entry(0.05, **cfg))

@@ -16,7 +16,7 @@ import sparseopt
 from sparseopt import precision
 from tests import reference
 from tests.conftest import to_np
-from tests.helpers import batches, dot_loss, numpy_replay, table_model
+from tests.helpers import batches, dot_loss, table_model
 
 HALF = ["bfloat16", "float16"]
 

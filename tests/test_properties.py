@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import sparseopt
 from tests import reference
 from tests.conftest import to_np
-from tests.helpers import dot_loss, registered_cases, table_model
+from tests.helpers import dot_loss, registered_cases
 
 # Every shipped updater with every hyperparameter set its registry entry names.
 RULES = {key: (entry.__name__, cfg) for key, (entry, cfg) in registered_cases().items()}

@@ -15,6 +15,8 @@ import keras
 import numpy as np
 import pytest
 
+from tests.helpers import child_env, kinds
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -29,8 +31,7 @@ def job(mode, directory, *args, env=None, check=True):
 
 
 def _env(extra=None):
-    env = dict(os.environ, KERAS_BACKEND=keras.backend.backend(), TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=ROOT)
+    env = child_env()
     env.pop("SAVE_TRAP", None)
     env.update(extra or {})
     return env
@@ -68,7 +69,11 @@ def test_three_epochs_save_load_in_a_new_process_two_more_equals_five(straight, 
     assert_same_state(straight, first / f"{how}.npz")
 
 
-@pytest.mark.parametrize("callback", ["keras", "sparseopt"])
+# `make test` runs each variant once over the two sessions, `make test-all` on both.
+JAX = keras.backend.backend() == "jax"
+
+
+@pytest.mark.parametrize("callback", kinds(["keras", "sparseopt"], ["sparseopt" if JAX else "keras"]))
 def test_sigkill_mid_epoch_then_backup_and_restore_ends_where_straight_run_ends(
         straight, tmp_path, callback):
     cmd = [sys.executable, "-m", "tests.jobs.train_job", "backup", str(tmp_path),
@@ -99,7 +104,7 @@ def test_sigkill_during_a_backup_then_restart_still_ends_where_straight_run_ends
     assert_same_state(straight, tmp_path / "backup.npz")
 
 
-@pytest.mark.parametrize("kind", ["model", "weights"])
+@pytest.mark.parametrize("kind", kinds(["model", "weights"], ["model" if JAX else "weights"]))
 def test_crash_during_save_leaves_the_previous_checkpoint_readable(tmp_path, kind):
     """Killed while overwriting a checkpoint: Keras' own save destroys the old
     file (the control); sparseopt.saving keeps it intact and loadable."""

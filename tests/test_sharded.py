@@ -17,6 +17,8 @@ import keras
 import numpy as np
 import pytest
 
+from tests.helpers import THOROUGH, child_env, kinds
+
 if keras.backend.backend() != "jax":
     pytest.skip("keras.distribution shards variables on JAX; TensorFlow's "
                 "MirroredStrategy is tested in tests/test_replicas.py",
@@ -24,13 +26,19 @@ if keras.backend.backend() != "jax":
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARDED = ("rows8", "rows2x4", "cols2x4", "data8")
+# `make test` trains the rows layouts (one over the batch's axis, routed; one
+# over a 2-D mesh) and runs the vocabulary checks on rows8; `make test-all`
+# every layout and every check.
+QUICK = ("rows8", "rows2x4")
+LAYOUTS = kinds(SHARDED, QUICK)
+CHECKED = kinds(SHARDED, ["rows8"])
 # Devices each table's rows (or columns) are split over, per layout.
 SPLIT = {"rows8": 8, "rows2x4": 4, "cols2x4": 4, "data8": 1}
 
 
 def _env(devices, **extra):
-    return dict(os.environ, PYTHONPATH=ROOT, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3",
-                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **extra)
+    return child_env("jax", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+                     **extra)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +50,9 @@ def job():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("sharded")
-    proc = subprocess.run([sys.executable, "-m", "tests.jobs.sharded_job", str(out)],
+    scope = [] if THOROUGH else ["--layouts", "single", *QUICK, "--checks", "rows8"]
+    proc = subprocess.run([sys.executable, "-m", "tests.jobs.sharded_job", str(out),
+                           "--reshard", *scope],
                           cwd=ROOT, env=_env(8), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
@@ -63,7 +73,7 @@ def _assert_same_training(got, want):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
-@pytest.mark.parametrize("layout", SHARDED)
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_sharded_training_equals_one_device(runs, layout):
     """Every weight and every optimizer state variable, to fp32 rounding."""
     _assert_same_training(_load(runs, layout), _load(runs, "single"))
@@ -111,7 +121,7 @@ def test_ids_routed_to_their_owner_in_one_round_or_several_give_one_devices_resu
         np.testing.assert_array_equal(got[f"lookup_{part}"], rows, err_msg=part)
 
 
-@pytest.mark.parametrize("layout", SHARDED)
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_rows_no_batch_touched_stay_bit_for_bit(runs, job, layout):
     x, _ = job.data()
     init = np.load(os.path.join(runs, "init.npz"))
@@ -132,7 +142,7 @@ def _weights_of(job):
     return job.build_model().weights
 
 
-@pytest.mark.parametrize("layout", SHARDED)
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_each_device_holds_its_share_of_every_table_and_its_state(runs, job, layout):
     report = _report(runs, layout)
     assert report["devices"] == 8
@@ -161,7 +171,7 @@ def test_each_device_holds_its_share_of_every_table_and_its_state(runs, job, lay
                 (info["total_bytes"] - scalars) // split + scalars}
 
 
-@pytest.mark.parametrize("layout", SHARDED)
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_tables_and_state_are_updated_in_place_on_each_device(runs, layout):
     """Donated buffers that XLA writes in place (aliased to the step's outputs) cover
     every device's blocks of every table and its state."""
@@ -171,7 +181,7 @@ def test_tables_and_state_are_updated_in_place_on_each_device(runs, layout):
     assert report["argument_bytes"] - report["alias_bytes"] < held / 4
 
 
-@pytest.mark.parametrize("layout", SHARDED)
+@pytest.mark.parametrize("layout", CHECKED)
 def test_large_tables_are_created_sharded(runs, layout):
     """Keras jits the initializer of large sharded variables (SparseEmbedding's too)."""
     want = {"rows8": (1 << 17, 8), "rows2x4": (1 << 18, 8), "cols2x4": (1 << 20, 2),
@@ -179,7 +189,7 @@ def test_large_tables_are_created_sharded(runs, layout):
     assert _report(runs, layout)["large_table_shards"] == [list(want)]
 
 
-@pytest.mark.parametrize("layout", SHARDED)
+@pytest.mark.parametrize("layout", CHECKED)
 def test_a_table_that_does_not_split_evenly_is_refused_with_the_fix(runs, layout):
     message = _report(runs, layout)["uneven_table"]
     if layout in ("data8", "cols2x4"):
@@ -191,7 +201,7 @@ def test_a_table_that_does_not_split_evenly_is_refused_with_the_fix(runs, layout
     assert f"Use {-(-1001 // devices) * devices}" in message
 
 
-@pytest.mark.parametrize("layout", SHARDED)
+@pytest.mark.parametrize("layout", CHECKED)
 def test_no_collective_moves_a_table_or_its_state(runs, job, layout):
     report = _report(runs, layout)
     row_counts = {rows * scale // split for rows, _, _ in job.TABLES.values()
@@ -238,7 +248,7 @@ def test_row_sharded_steps_move_each_id_and_row_gradient_once(runs, job, layout)
         assert moved <= lookup + routed + dense + 64 * len(job.TABLES)
 
 
-@pytest.mark.parametrize("layout", SHARDED)
+@pytest.mark.parametrize("layout", CHECKED)
 def test_what_moves_and_scratch_memory_do_not_grow_with_the_vocabulary(runs, job, layout):
     report = _report(runs, layout)
     assert report["collectives_8x_rows"] == report["collectives"]
@@ -291,9 +301,9 @@ def _free_port():
 def test_two_processes_on_localhost_train_like_one_device_and_resume_exactly(runs, tmp_path):
     """Multi-host is configuration: the same script, Keras' three variables."""
     port = _free_port()
+    layouts = ["rows8", "rows2x4"] if THOROUGH else ["rows8"]
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "tests.jobs.sharded_job", str(tmp_path),
-         "--layouts", "rows8", "rows2x4"],
+        [sys.executable, "-m", "tests.jobs.sharded_job", str(tmp_path), "--layouts", *layouts],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=_env(4, KERAS_DISTRIBUTION_JOB_ADDRESSES=f"localhost:{port}",
                  KERAS_DISTRIBUTION_NUM_PROCESSES="2", KERAS_DISTRIBUTION_PROCESS_ID=str(i)))
@@ -305,7 +315,7 @@ def test_two_processes_on_localhost_train_like_one_device_and_resume_exactly(run
             p.kill()
     for p, (_, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-3000:]
-    for layout in ("rows8", "rows2x4"):
+    for layout in layouts:
         _assert_same_training(_load(tmp_path, layout), _load(runs, "single"))
     # Keras' OrbaxCheckpoint, then load_weights into a new model: bit for bit.
     straight, resumed = _load(tmp_path, "rows8"), _load(tmp_path, "rows8_resumed")

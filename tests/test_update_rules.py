@@ -7,7 +7,8 @@ import pytest
 
 import sparseopt
 from tests.conftest import to_np
-from tests.helpers import batches, dot_loss, numpy_replay, registered_cases, table_model
+from tests.helpers import (batches, dot_loss, kinds, numpy_replay, registered_cases,
+                           table_model)
 
 VOCAB, WIDTH, N_IDS, BATCH, STEPS = 300, 4, 5, 8, 50
 
@@ -26,6 +27,10 @@ CASES = {key: (entry.__name__, cfg) for key, (entry, cfg) in registered_cases().
 CASES.update({f"{name}:default+{label}": (name, {**entry.test_configs["default"], **options})
               for name, entry in REGISTRY.items() for label, options in OPTION_SETS.items()})
 DEFAULTS = [f"{name}:default" for name in REGISTRY]
+# One of each kind (`make test`): each updater on each of its code paths, and
+# each option set on one updater; `make test-all` runs every case.
+PATHS = sorted(registered_cases(paths_only=True))
+KINDS = PATHS + ["Adam:default+l2", "SGD:default+decoupled"]
 # Each mode on TF runs a different path (fused kernel, XLA rule, eager kernel):
 # each updater on each of its paths. On JAX, Keras' `jit_compile=False` and
 # `run_eagerly` run the same un-jitted step: one of them.
@@ -47,7 +52,7 @@ def train(updater, xs, ys, dtype=None, **compile_kwargs):
     return model, emb, table0
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", kinds(sorted(CASES), KINDS))
 def test_updater_matches_numpy_reference(case):
     name, cfg = CASES[case]
     rng = np.random.default_rng(1)
@@ -68,7 +73,9 @@ def test_updater_matches_numpy_reference(case):
 BF16_CASES = sorted(registered_cases()) + ["SGD:default+l2", "Adam:default+decoupled"]
 
 
-@pytest.mark.parametrize("case", BF16_CASES)
+# One of each kind: the write of a row, of float state and of integer state.
+@pytest.mark.parametrize("case", kinds(BF16_CASES, ["SGD:default+l2", "Adam:default+decoupled",
+                                                    "FrequencyAwareAdagrad:default"]))
 def test_updater_matches_numpy_reference_in_bfloat16(case):
     """A bfloat16 table, float32 state: the reference rule, then the documented
     stochastic rounding of every row after each step (the same bits)."""
@@ -147,7 +154,9 @@ def test_optimizer_state_is_the_documented_bytes_per_row():
         assert got == want * rows, (key, got / rows, want)
 
 
-@pytest.mark.parametrize("case", DEFAULTS + ["Ftrl:l1_l2_beta"])
+@pytest.mark.parametrize("case", kinds(DEFAULTS + ["Ftrl:l1_l2_beta"],
+                                        ["SGD:default", "Ftrl:l1_l2_beta", "Adam:default",
+                                         "FrequencyAwareAdagrad:default"]))
 def test_untouched_rows_and_state_unchanged_bit_for_bit(case):
     name, cfg = CASES[case]
     rng = np.random.default_rng(2)
@@ -249,7 +258,10 @@ def test_scheduled_hyperparameters_that_cannot_be_honoured_are_refused_by_name()
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", KERNEL_CASES)
+# One of each kind: each TF kernel (and one updater with none, the rule).
+@pytest.mark.parametrize("case", kinds(KERNEL_CASES, [
+    c for c in KERNEL_CASES if CASES[c][0] in ("SGD", "Ftrl", "Adam")
+    or c == "Adagrad:no_epsilon"]))
 def test_compiled_and_eager_steps_agree(mode, case):
     """Each mode (on TF: fused kernel, XLA rule, eager kernel) gives the reference."""
     kwargs = {"jit": {"jit_compile": True}, "no_jit": {"jit_compile": False},
@@ -274,7 +286,7 @@ def workspace(size, fill=0):
 # JAX's dedup runs under XLA in every fit test; TF's also runs outside XLA.
 @pytest.mark.parametrize("xla", [False, True] if keras.backend.backend() == "tensorflow"
                          else [False])
-@pytest.mark.parametrize("stale", [0, 7, -1])
+@pytest.mark.parametrize("stale", kinds([0, 7, -1], [7]))
 @pytest.mark.parametrize("num_rows", [50, 1000])  # fewer rows than ids, and more
 @pytest.mark.parametrize("compiled", [False, True] if keras.backend.backend() == "tensorflow"
                          else [True])

@@ -124,6 +124,10 @@ def primary(model, prefix):
     return {f"{prefix}/{p}": np.asarray(v.numpy()) for p, v in variables(model).items()}
 
 
+# The runs under the strategy: tables alone, and grouped (`--quick`: alone only).
+FIT_RUNS = [("multi", False), ("grouped", True)]
+
+
 def run_fit(out):
     x, y = recommender_data()
     arrays, report = {}, {}
@@ -137,7 +141,7 @@ def run_fit(out):
     report["scratch"] = [k for k, v in optimizer_variables(single.optimizer).items()
                          if id(v) in scratch]
     strategy = mirrored()
-    for name, grouped in (("multi", False), ("grouped", True)):
+    for name, grouped in FIT_RUNS:
         keras.backend.clear_session()  # outside the scope (it resets the scope stack)
         with strategy.scope():
             model = recommender(group_tables=grouped)
@@ -145,6 +149,7 @@ def run_fit(out):
         arrays.update(copies(strategy, model, name))
         report[name] = counts(model)
         report[name]["groups"] = model.optimizer.table_groups
+    report["saved"] = name  # the last run's model is saved and loaded on one device
     path = os.path.join(out, "replicas.weights.h5")
     model.save_weights(path)
     keras.backend.clear_session()
@@ -334,6 +339,8 @@ def write_json(out, name, report):
 
 if __name__ == "__main__":
     target = sys.argv[1]
+    if "--quick" in sys.argv:
+        FIT_RUNS = FIT_RUNS[:1]
     for run in (run_fit, run_controls, run_uneven, run_scaled, run_graph, run_refused):
         start = time.perf_counter()
         run(target)

@@ -1,7 +1,7 @@
 """A four-table recommender trained under several keras.distribution layouts (JAX).
 
 Usage: XLA_FLAGS=--xla_force_host_platform_device_count=8 \
-    python -m tests.jobs.sharded_job OUT_DIR [--layouts L ...]
+    python -m tests.jobs.sharded_job OUT_DIR [--layouts L ...] [--checks L ...] [--reshard]
 
 Several processes (multi-host on one machine): start one per process, each
 with its share of the devices and Keras' own variables
@@ -35,6 +35,7 @@ tables replicated).
 import argparse
 import json
 import os
+import time
 
 import jax
 import keras
@@ -145,7 +146,9 @@ def everything(model):
     return saved
 
 
-def run(layout, out, x, y, init):
+def run(layout, out, x, y, init, checks=True):
+    """Trains under `layout`; with `checks`, also the vocabulary-growth and
+    table-creation checks of a layout (8x tables compiled, a large table, an uneven one)."""
     model = build_model(layout)
     model.set_weights(init)
     x, y = {k: this_process(v) for k, v in x.items()}, this_process(y)
@@ -180,7 +183,7 @@ def run(layout, out, x, y, init):
                                              for s in v.value.addressable_shards})
                              for v in variables},
         }
-    if layout != "single":
+    if layout != "single" and checks:
         # The same step with every table 8x larger: what moves between
         # devices must not grow with the vocabulary.
         big = build_model(layout, scale=8)
@@ -400,6 +403,10 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
+    parser.add_argument("--checks", nargs="+", default=None,
+                        help="layouts that run the 8x / large / uneven table checks (all)")
+    parser.add_argument("--reshard", action="store_true",
+                        help="also train through RESHARD (needs single, rows8, rows2x4)")
     args = parser.parse_args()
     if "KERAS_DISTRIBUTION_NUM_PROCESSES" in os.environ:
         keras.distribution.initialize()  # multi-host: configuration only
@@ -407,17 +414,26 @@ def main():
     init = [np.asarray(w) for w in build_model().get_weights()]
     if jax.process_index() == 0:
         np.savez(os.path.join(args.out, "init.npz"), *init)
+    start = time.perf_counter()
+
+    def done(what):
+        print(f"done {what} ({time.perf_counter() - start:.1f} s)", flush=True)
+
     for layout in args.layouts:
-        run(layout, args.out, x, y, init)
+        run(layout, args.out, x, y, init,
+            checks=args.checks is None or layout in args.checks)
+        done(layout)
         if jax.process_count() == 1 and layout in ("single", "rows8", "rows2x4"):
             run_bfloat16(layout, args.out)
+            done(f"{layout} bfloat16")
             run_routing(layout, args.out)
+            done(f"{layout} routing")
         if jax.process_count() == 1 and layout in ("single", "rows8"):
             run_controls(layout, args.out, x, y, init)
-        print("done", layout, flush=True)
-    if jax.process_count() == 1 and args.layouts == list(LAYOUTS):
+            done(f"{layout} controls")
+    if jax.process_count() == 1 and args.reshard:
         reshard(args.out, x, y, init)
-        print("done reshard", flush=True)
+        done("reshard")
 
 
 if __name__ == "__main__":
