@@ -126,6 +126,9 @@ def child_env(backend=None, **extra):
     path = [ROOT] + ([os.path.join(ROOT, "tests", "jax_children")] if backend == "jax" else [])
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3",
                PYTHONPATH=os.pathsep.join(path))
+    flags = extra.pop("XLA_FLAGS", None)
+    if flags:  # added to the session's own (see the Makefile)
+        env["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS"), flags) if f)
     env.update(extra)
     return env
 
@@ -143,3 +146,12 @@ def kinds(cases, keep):
     missing = keep - set(cases)
     assert not missing, f"not cases: {sorted(missing)}"
     return [c if c in keep else pytest.param(c, marks=pytest.mark.thorough) for c in cases]
+
+
+def backend_kind(backend):
+    """This session's backend as a parameter, `thorough` unless it is `backend`.
+
+    For a case `make test` runs on one backend only (`make test-all` on both).
+    """
+    here = keras.backend.backend()
+    return kinds([here], [here] if here == backend else [])

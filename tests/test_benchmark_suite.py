@@ -10,7 +10,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchma
 import report  # noqa: E402
 import run  # noqa: E402
 
-from tests.helpers import child_env, kinds  # noqa: E402
+from tests.helpers import backend_kind, child_env  # noqa: E402
 
 
 def slot(peer, rows, fw="jax"):
@@ -77,13 +77,12 @@ def test_quick_sizes_leave_size_bound_targets_open():
 
 
 # `make test`: on JAX (the soak's default); `make test-all`: on both.
-@pytest.mark.parametrize("backend", kinds([keras.backend.backend()], ["jax"]))
+@pytest.mark.parametrize("backend", backend_kind("jax"))
 def test_soak_runs_end_to_end_and_judges_memory(tmp_path, backend):
     """A short soak run on this backend: samples, the verdict and the plot."""
     import json
     import subprocess
 
-    import keras
 
     import soak
 

@@ -7,7 +7,7 @@ import sys
 import keras
 import pytest
 
-from tests.helpers import child_env, kinds
+from tests.helpers import backend_kind, child_env, kinds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,7 +58,7 @@ def test_sharded_example_splits_tables_and_trains():
     assert "val loss" in out and "table steps skipped for non-finite gradients: 0" in out
 
 
-@pytest.mark.parametrize("backend", kinds([keras.backend.backend()], ["jax"]))
+@pytest.mark.parametrize("backend", backend_kind("jax"))
 def test_two_tower_example_trains_adam_tables_and_recall_rises(backend):
     out = run_example("two_tower.py", "--users", "20000", "--items", "5000", "--topics", "50",
                       "--examples", "120000", "--chunks", "2", "--batch", "512")

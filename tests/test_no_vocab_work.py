@@ -92,11 +92,11 @@ def _state_layouts():
 STATE_LAYOUTS = _state_layouts()
 
 
-# One of each kind: each updater's own state (its default), a per-row record
-# (`lazy=False`), a moving average.
+# One of each kind of state: none, per row, per entry, integer per row, a
+# per-row record (`lazy=False`), a moving average; `make test-all`: every layout.
 @pytest.mark.parametrize("case", kinds(sorted(STATE_LAYOUTS), [
-    k for k in STATE_LAYOUTS if k.endswith(":default")] + ["SGD:dense_momentum_decay",
-                                                          "Adam:ema"]))
+    "SGD:default", "RowwiseAdagrad:default", "Adam:default", "FrequencyAwareAdagrad:default",
+    "SGD:dense_momentum_decay", "Adam:ema"]))
 def test_sparse_step_does_no_vocab_work(case):
     entry, cfg = STATE_LAYOUTS[case]
     model, data = make_model(sparseopt.DispatchOptimizer(keras.optimizers.Adam()),
