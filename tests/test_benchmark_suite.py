@@ -115,6 +115,9 @@ def test_soak_runs_end_to_end_and_judges_memory(tmp_path, backend):
     assert soak.verdict(page)["flat"] is True  # one 0.2 MB step in a short run
 
 
+# `make test-all` only: a benchmark's own measurement (the soak stands for the
+# kind in `make test`; sharded training itself is tests/test_sharded.py).
+@pytest.mark.thorough
 @pytest.mark.backend_independent  # benchmarks/sharded.py runs its children on JAX
 def test_sharded_benchmark_runs_and_measures_each_device_count(tmp_path):
     """A tiny run: 1 and 8 devices (both ways) side by side, memory 1/n, no table-sized

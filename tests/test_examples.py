@@ -43,6 +43,9 @@ def test_example_trains_and_reports(name):
         assert "Adam variables shaped like a table: 0" in out
 
 
+# `make test-all` only: `make test` runs one example of each kind (training
+# under sharding is tests/test_sharded.py's).
+@pytest.mark.thorough
 @pytest.mark.backend_independent  # sharded_dlrm.py runs on JAX whatever KERAS_BACKEND says
 def test_sharded_example_splits_tables_and_trains():
     env = child_env("jax", XLA_FLAGS="--xla_force_host_platform_device_count=4")

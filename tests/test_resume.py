@@ -15,9 +15,11 @@ import keras
 import numpy as np
 import pytest
 
-from tests.helpers import child_env, kinds
+from tests.helpers import backend_kind, child_env, kinds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# `make test` runs each variant once over the two sessions, `make test-all` on both.
+JAX = keras.backend.backend() == "jax"
 
 
 def job(mode, directory, *args, env=None, check=True):
@@ -61,16 +63,13 @@ def first(tmp_path_factory):
     return directory
 
 
-@pytest.mark.parametrize("how", ["resume_model", "resume_weights"])
+@pytest.mark.parametrize("how", kinds(["resume_model", "resume_weights"],
+                                      ["resume_model" if JAX else "resume_weights"]))
 def test_three_epochs_save_load_in_a_new_process_two_more_equals_five(straight, first, how):
     """`model.save` + `load_model` (no custom_objects), and `save_weights` +
     `load_weights` into a freshly compiled model (optimizer not yet built)."""
     job(how, first)
     assert_same_state(straight, first / f"{how}.npz")
-
-
-# `make test` runs each variant once over the two sessions, `make test-all` on both.
-JAX = keras.backend.backend() == "jax"
 
 
 @pytest.mark.parametrize("callback", kinds(["keras", "sparseopt"], ["sparseopt" if JAX else "keras"]))
@@ -92,8 +91,9 @@ def test_sigkill_mid_epoch_then_backup_and_restore_ends_where_straight_run_ends(
     assert_same_state(straight, tmp_path / "backup.npz")
 
 
+@pytest.mark.parametrize("backend", backend_kind("jax"))
 def test_sigkill_during_a_backup_then_restart_still_ends_where_straight_run_ends(
-        straight, tmp_path):
+        straight, tmp_path, backend):
     """Killed inside the 3rd backup (end of epoch 3): the restart resumes from
     the 2nd, complete, backup."""
     proc = job("backup", tmp_path, env={"SAVE_TRAP": "3"}, check=False)
