@@ -31,7 +31,7 @@ def test_example_trains_and_reports(name):
     # The demo also trains plain Keras for a few steps to compare (`make demo`,
     # JAX); checked on JAX, where the TF session's time is tighter.
     compare = "3" if name == "dlrm_synthetic.py" and keras.backend.backend() == "jax" else "0"
-    out = run_example(name, "--examples", "10000", "--validation", "2000", "--chunks", "1",
+    out = run_example(name, "--examples", "4096", "--validation", "1024", "--chunks", "1",
                       "--compare-steps", compare, "--scale", "0.01")
     assert "val loss" in out and "ms/step" in out
     assert "table steps skipped for non-finite gradients: 0" in out

@@ -102,7 +102,7 @@ def test_loss_scaling_and_skipped_micro_steps_keep_working():
     xs, ys = batches(np.random.default_rng(3), 2 * K, BATCH, N_IDS, VOCAB, WIDTH)
 
     def run(scaled, bad):
-        keras.backend.clear_session()
+        keras.backend.clear_session(free_memory=False)
         keras.utils.set_random_seed(0)
         model, emb = table_model(VOCAB, WIDTH, N_IDS, sparseopt.updaters.Adagrad(0.05))
         optimizer = sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1),

@@ -319,14 +319,14 @@ def test_checkpoint_of_a_different_optimizer_is_an_error_not_a_partial_load(tmp_
     model.optimizer.build(model.trainable_variables)
     path = str(tmp_path / "ftrl.weights.h5")
     model.save_weights(path)
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     other, _ = table_model(VOCAB, WIDTH, 3, sparseopt.updaters.SGD(0.1))
     other.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam()), loss=dot_loss)
     other.optimizer.build(other.trainable_variables)
     with pytest.raises(ValueError, match="does not match this optimizer.*compile it exactly"):
         other.load_weights(path)
     # Not built yet: the mismatch surfaces when it is built, before any step.
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     late, _ = table_model(VOCAB, WIDTH, 3, sparseopt.updaters.SGD(0.1))
     late.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam()), loss=dot_loss)
     late.load_weights(path)

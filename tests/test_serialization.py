@@ -147,7 +147,7 @@ def test_wrapped_optimizer_is_saved_once_and_loads_before_build_without_warnings
         groups = []
         f["optimizer"].visit(groups.append)
     assert [g for g in groups if not g.startswith("vars")] == [], groups
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     again, _ = table_model(50, 4, 3, sparseopt.updaters.Adagrad(0.1))
     again.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam()), loss=dot_loss)
     with warnings.catch_warnings():

@@ -91,7 +91,7 @@ def test_plain_keras_scales_installs_and_allocates_slots_the_imitation_reproduce
     t0 = to_np(emb.table)
     plain.fit(x, y, batch_size=BATCH, verbose=0)
     step = to_np(emb.table) - t0
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     scaled, emb = imitation_model(keras.optimizers.SGD(0.0, loss_scale_factor=8.0))
     emb.table.assign(t0)
     for a, b in zip(scaled.get_layer("head").weights, plain.get_layer("head").weights):
@@ -99,7 +99,7 @@ def test_plain_keras_scales_installs_and_allocates_slots_the_imitation_reproduce
     scaled.fit(x, y, batch_size=BATCH, verbose=0)
     # Keras installs the backward's table computed from the 8x loss.
     assert np.abs(to_np(emb.table) - t0).max() > 4 * np.abs(step).max()
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     adam_model, _ = imitation_model(keras.optimizers.Adam(gradient_accumulation_steps=2))
     adam_model.fit(x, y, batch_size=BATCH, verbose=0)
     # Keras allocates a table-sized gradient accumulator for the table.

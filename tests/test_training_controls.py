@@ -153,7 +153,7 @@ def test_values_that_decide_the_step_are_refused_once_built_naming_the_table():
         (sparseopt.updaters.Ftrl(0.1), "learning_rate_power", -0.3),
     ]
     for updater, name, value in cases:
-        keras.backend.clear_session()
+        keras.backend.clear_session(free_memory=False)
         model, _ = table_model(VOCAB, WIDTH, N_IDS, updater)
         model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()),
                       loss=dot_loss)
@@ -279,7 +279,7 @@ def test_a_checkpoint_that_kept_the_unread_moment_still_loads():
         if v is trainer.slots["velocity"]:
             old.append(np.full(v.shape, 7.0, "float32"))  # the momentum, never read
         old.append(to_np(v).astype(v.dtype))
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     again, emb2 = table_model(VOCAB, WIDTH, N_IDS, sparseopt.updaters.Adam(0.05, beta_1=0.0))
     again.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)),
                   loss=dot_loss)

@@ -406,7 +406,7 @@ def main():
     parser.add_argument("--checks", nargs="+", default=None,
                         help="layouts that run the 8x / large / uneven table checks (all)")
     parser.add_argument("--reshard", action="store_true",
-                        help="also train through RESHARD (needs single, rows8, rows2x4)")
+                        help="also train through RESHARD (its test compares with single)")
     args = parser.parse_args()
     if "KERAS_DISTRIBUTION_NUM_PROCESSES" in os.environ:
         keras.distribution.initialize()  # multi-host: configuration only

@@ -116,9 +116,17 @@ def main(argv):
     parser.add_argument("--saver", default="sparseopt")
     args = parser.parse_args(argv)
     d = args.dir
-    if args.mode == "straight":
+    if args.mode in ("straight", "straight_then_first"):
         model = build_model()
         fit(model, EPOCHS)
+        if args.mode == "straight_then_first":
+            # One process for both (a child's start and compile saved): the
+            # straight run's state is written before the first run begins,
+            # which starts from a cleared session and the same seed.
+            np.savez(os.path.join(d, "straight.npz"), **state(model))
+            keras.backend.clear_session()
+            main(["first", d])
+            return
     elif args.mode == "first":
         model = build_model()
         fit(model, 3)
