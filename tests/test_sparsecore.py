@@ -125,20 +125,16 @@ def test_loss_scaling_with_sparsecore_tables_is_refused(how):
         keras.mixed_precision.set_global_policy("float32")
 
 
-def test_gradient_accumulation_with_sparsecore_tables_is_refused():
-    model, _ = imitation_model(sparseopt.DispatchOptimizer(
-        keras.optimizers.Adam(gradient_accumulation_steps=2)))
+@pytest.mark.parametrize("option, match", [
+    # Accumulating needs the tables' row gradients, which SparseCore consumes in its backward.
+    ({"gradient_accumulation_steps": 2}, r"gradient_accumulation_steps=2.*SparseCore"),
+    # One norm over everything cannot include tables updated inside their backward.
+    ({"global_clipnorm": 1.0}, r"global_clipnorm=1.0.*SparseCore.*var:sc:table"),
+])
+def test_controls_that_need_the_tables_row_gradients_are_refused_with_sparsecore(option, match):
+    model, _ = imitation_model(sparseopt.DispatchOptimizer(keras.optimizers.Adam(**option)))
     x, y = batches(1)
-    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2.*SparseCore"):
-        model.fit(x, y, batch_size=BATCH, verbose=0)
-
-
-def test_global_clipnorm_with_sparsecore_tables_is_refused():
-    """One norm over everything cannot include tables updated inside their backward."""
-    model, _ = imitation_model(sparseopt.DispatchOptimizer(
-        keras.optimizers.Adam(global_clipnorm=1.0)))
-    x, y = batches(1)
-    with pytest.raises(ValueError, match=r"global_clipnorm=1.0.*SparseCore.*var:sc:table"):
+    with pytest.raises(ValueError, match=match):
         model.fit(x, y, batch_size=BATCH, verbose=0)
 
 
