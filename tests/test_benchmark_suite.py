@@ -4,6 +4,7 @@ import pathlib
 import sys
 
 import keras
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -99,12 +100,17 @@ def test_soak_runs_end_to_end_and_judges_memory(tmp_path, backend):
     assert [s["step"] for s in result["samples"]] == list(range(1000, 7001, 1000))
     # A 7k-step run beside the other test session cannot judge a 1 MB per 10k
     # steps slope: RSS moves by a few MB either way between samples (measured:
-    # 908, 916, 909, 911, 912, 911, 913 MB). The judgement is tested on the
-    # series below and by the 100k-step soak; here a leak of about 2.5 KB per
-    # step or more (0.5% of the ~900 MB process over the 2k steps after warm-up)
-    # still fails.
+    # 908, 916, 909, 911, 912, 911, 913 MB; 498, 496, 497, 497, 498, 497, 500
+    # MB once TensorFlow stayed out of JAX children). The judgement is tested
+    # on the series below and by the 100k-step soak; here a leak of 2.5 KB per
+    # step or more still fails: the least-squares slope over the samples from
+    # step 2,000 (in four runs beside the TF session: -0.07 to 0.57 KB per step).
+    # Growth between the last two samples (the 0.5% bound this used) was
+    # flaky at 500 MB: 3.3 MB of noise is 0.67%.
     assert result["verdict"]["flat"] is not None
-    assert abs(result["verdict"]["growth_pct"]) < 0.5
+    after = [s for s in result["samples"] if s["step"] >= 2000]
+    slope_mb = np.polyfit([s["step"] for s in after], [s["rss_mb"] for s in after], 1)[0]
+    assert slope_mb * 1024 < 2.5, f"RSS grows {slope_mb * 1024:.2f} KB per step"
     assert result["samples"][-1]["loss"] < result["constant_loss"]
     assert (tmp_path / "soak.png").exists()
     growing = {"samples": [{"step": s, "rss_mb": 1000 + s / 100} for s in range(1000, 20001, 1000)]}
