@@ -1,7 +1,6 @@
 """The same numbers on JAX and TensorFlow, and TF's own kernels where they fit."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -13,7 +12,7 @@ from keras import ops
 import sparseopt
 from tests import reference
 from tests.conftest import to_np
-from tests.helpers import child_env, optimizer_state
+from tests.helpers import ROOT, child_env, optimizer_state
 
 BACKEND = keras.backend.backend()
 
@@ -102,8 +101,7 @@ def test_same_model_init_and_data_give_the_same_weights_on_both_backends(tmp_pat
     out = tmp_path / "other.json"
     code = ("import json, sys; from tests.test_backends import train_reference_model; "
             "json.dump(train_reference_model(), open(sys.argv[1], 'w'))")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run([sys.executable, "-c", code, str(out)], check=True, cwd=root,
+    subprocess.run([sys.executable, "-c", code, str(out)], check=True, cwd=ROOT,
                    env=child_env(other))
     theirs, ours = json.loads(out.read_text()), train_reference_model()
     assert sorted(theirs) == sorted(ours)

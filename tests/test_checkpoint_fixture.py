@@ -10,9 +10,8 @@ import pytest
 
 import sparseopt
 from tests.fixtures import make_checkpoint as fixture
-from tests.helpers import child_env
+from tests.helpers import ROOT, child_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # The fixture was written on another machine. XLA:CPU compiles for the host's

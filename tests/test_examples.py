@@ -7,9 +7,8 @@ import sys
 import keras
 import pytest
 
-from tests.helpers import backend_kind, child_env, kinds
+from tests.helpers import ROOT, backend_kind, child_env, kinds
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_example(name, *args):

@@ -5,7 +5,6 @@ step: a bad batch changes no row it had no right to touch, and what was
 refused is visible (`num_dropped_ids`, `skipped_steps`, `TableHealth`).
 """
 
-import os
 import subprocess
 import sys
 import warnings
@@ -17,13 +16,12 @@ from keras import ops
 
 import sparseopt
 from tests.conftest import to_np
-from tests.helpers import (child_env, dot_loss, kinds, numpy_replay, optimizer_state,
-                           table_model)
+from tests.helpers import (ROOT, child_env, dot_loss, kinds, numpy_replay,
+                           optimizer_state, table_model)
 
 VOCAB, WIDTH = 40, 3
 MODES = {"eager": {"run_eagerly": True}, "traced": {"jit_compile": False},
          "xla": {"jit_compile": True}}
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def compiled(updater, n_ids, mode, optimizer=None, id_dtype="int32"):

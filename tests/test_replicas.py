@@ -17,13 +17,12 @@ import keras
 import numpy as np
 import pytest
 
-from tests.helpers import THOROUGH, child_env, kinds
+from tests.helpers import ROOT, THOROUGH, child_env, kinds
 
 if keras.backend.backend() != "tensorflow":
     pytest.skip("tf.distribute strategies are TensorFlow's; JAX shards tables with "
                 "keras.distribution (tests/test_sharded.py)", allow_module_level=True)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPLICAS = 4
 RUNS = kinds(["multi", "grouped"], ["multi"])
 

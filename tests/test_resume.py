@@ -15,9 +15,8 @@ import keras
 import numpy as np
 import pytest
 
-from tests.helpers import backend_kind, child_env, kinds
+from tests.helpers import ROOT, backend_kind, child_env, kinds
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # `make test` runs each variant once: resume from `save_weights` on TensorFlow,
 # every other variant on JAX, whose child processes start and compile in a
 # third of a TensorFlow child's time (measured: 4 vs 10 s); `make test-all`
