@@ -242,7 +242,7 @@ def step_inputs(model, x, y=None, sample_weight=None):
     return state, data
 
 
-def compile_train_step(model, x, y=None, sample_weight=None):
+def compile_train_step(model, x, y=None, sample_weight=None, compiler_options=None):
     """`model`'s train step compiled for one batch, as `fit` compiles it (JAX).
 
     The result is the program each device runs: inspect it with
@@ -254,6 +254,10 @@ def compile_train_step(model, x, y=None, sample_weight=None):
         model: a compiled Keras model whose optimizer is built (e.g. after
             `model.optimizer.build(model.trainable_variables)`).
         x, y, sample_weight: one batch, as for `step_inputs`.
+        compiler_options: XLA options for this compile only, over those of
+            `XLA_FLAGS` (`jax.stages.Lowered.compile`'s argument), e.g.
+            `{"xla_backend_optimization_level": 3}` to inspect the program
+            at XLA's defaults in a process started with other flags.
     """
     import jax
 
@@ -263,7 +267,7 @@ def compile_train_step(model, x, y=None, sample_weight=None):
     # Metrics Keras has not built yet (no fit so far) come out where XLA puts them.
     shardings = shardings[:3] + (None,)
     step = jax.jit(model.train_step, donate_argnums=0, out_shardings=(None, shardings))
-    return step.lower(*step_inputs(model, x, y, sample_weight)).compile()
+    return step.lower(*step_inputs(model, x, y, sample_weight)).compile(compiler_options)
 
 
 def _state_groups(model):

@@ -105,12 +105,21 @@ def optimizer_state(optimizer):
     return [v for v in optimizer.variables if id(v) not in scratch]
 
 
+# `make test` compiles with test-only XLA flags that cut compile time
+# (Makefile, TEST_XLA): LLVM at -O0, which changes machine code only, and
+# XLA:CPU's legacy emitters, which also change which fusions XLA forms, hence
+# its buffers. The checks that read a compiled program (buffers, aliasing,
+# temporaries, collectives) compile it with the emitters a user's process
+# uses, so they see the program XLA builds by default (the same HLO, buffers
+# and aliasing as at XLA's defaults: only the LLVM level differs).
+XLA_PRODUCTION_FUSIONS = {"xla_cpu_use_fusion_emitters": True}
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # `make test-all`: child jobs at their full scope too (see the Makefile).
 THOROUGH = os.environ.get("SPARSEOPT_THOROUGH") == "1"
 
 
-def child_env(backend=None, **extra):
+def child_env(backend=None, test_xla=True, **extra):
     """The environment of a child process the tests start.
 
     The repository on `PYTHONPATH`, TensorFlow's logs quiet, `KERAS_BACKEND`
@@ -120,15 +129,22 @@ def child_env(backend=None, **extra):
 
     Args:
         backend: the child's Keras backend (default: this session's).
+        test_xla: keep the XLA flags `make test` adds to cut compile time
+            (`SPARSEOPT_TEST_XLA_FLAGS`); False for a child that mostly runs
+            steps, whose code they make slower.
         **extra: more variables.
     """
     backend = backend or keras.backend.backend()
     path = [ROOT] + ([os.path.join(ROOT, "tests", "jax_children")] if backend == "jax" else [])
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3",
                PYTHONPATH=os.pathsep.join(path))
+    if not test_xla:
+        dropped = set(os.environ.get("SPARSEOPT_TEST_XLA_FLAGS", "").split())
+        env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                    if f not in dropped)
     flags = extra.pop("XLA_FLAGS", None)
     if flags:  # added to the session's own (see the Makefile)
-        env["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS"), flags) if f)
+        env["XLA_FLAGS"] = " ".join(f for f in (env.get("XLA_FLAGS"), flags) if f)
     env.update(extra)
     return env
 
@@ -146,6 +162,25 @@ def kinds(cases, keep):
     missing = keep - set(cases)
     assert not missing, f"not cases: {sorted(missing)}"
     return [c if c in keep else pytest.param(c, marks=pytest.mark.thorough) for c in cases]
+
+
+def crossed(first, second, more_first=(), more_second=()):
+    """Every pair of two axes as parameters (`a-b` ids); `make test` runs a rotation.
+
+    The rotation pairs `first[i]` with `second[i]` (each list cycled to the
+    longer's length): each value of each axis runs once, and the leading
+    pair is the two firsts (put the usual case first). The other pairs,
+    and those with `more_*` values, are marked `thorough`.
+
+    Args:
+        first, second: the values `make test` covers, most common first.
+        more_first, more_second: values only `make test-all` runs.
+    """
+    n = max(len(first), len(second))
+    keep = {(first[i % len(first)], second[i % len(second)]) for i in range(n)}
+    return [pytest.param(a, b, id=f"{a}-{b}",
+                         marks=() if (a, b) in keep else pytest.mark.thorough)
+            for a in list(first) + list(more_first) for b in list(second) + list(more_second)]
 
 
 def backend_kind(backend):

@@ -12,7 +12,7 @@ from keras import ops
 import sparseopt
 from tests import reference
 from tests.conftest import to_np
-from tests.helpers import ROOT, child_env, optimizer_state
+from tests.helpers import ROOT, child_env, kinds, optimizer_state
 
 BACKEND = keras.backend.backend()
 
@@ -127,11 +127,17 @@ KERNELS = {  # updater -> the TF op that must apply it (None: the keras.ops rule
 }
 
 
+# `make test`: every case traced, and one with a kernel under XLA (which has none).
+MODES = [f"{case}-{jit}" for jit in ("traced", "xla") for case in sorted(KERNELS)]
+
+
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow kernels")
-@pytest.mark.parametrize("case", sorted(KERNELS))
-@pytest.mark.parametrize("jit_compile", [False, True])
-def test_tensorflow_applies_its_own_kernel_where_the_rule_matches(case, jit_compile):
+@pytest.mark.parametrize("mode", kinds(MODES, [m for m in MODES if m.endswith("-traced")]
+                                       + ["ftrl-xla"]))
+def test_tensorflow_applies_its_own_kernel_where_the_rule_matches(mode):
     import tensorflow as tf
+
+    case, jit_compile = mode.split("-")[0], mode.endswith("-xla")
 
     make, kernel = KERNELS[case]
     ids = keras.Input((4,), dtype="int32")

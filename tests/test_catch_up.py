@@ -180,7 +180,7 @@ def test_a_schedule_the_catch_up_does_not_read_is_accepted():
 
 def test_the_new_state_saves_and_resumes_bit_for_bit(tmp_path):
     """Adam's moments, `lazy=False`'s per-row record, the moving average's offset:
-    6 steps straight == 3 steps, save_weights, a new model loads them, 3 more steps."""
+    6 steps straight == its weights saved after 3, loaded by a new model, 3 more steps."""
     updaters = {
         "adam_ema": lambda: sparseopt.updaters.Adam(0.05, ema_momentum=0.9),
         "sgd_dense": lambda: sparseopt.updaters.SGD(0.1, momentum=0.9, weight_decay=0.2,
@@ -215,14 +215,12 @@ def test_the_new_state_saves_and_resumes_bit_for_bit(tmp_path):
             model.get_layer("adam_ema").embeddings))
         return out
 
-    straight = build()
-    for step in range(6):
-        straight.train_on_batch(x[step], y[step])
-    first = build()
-    for step in range(3):
-        first.train_on_batch(x[step], y[step])
+    straight = build()  # saved after 3 of its 6 steps
     path = str(tmp_path / "half.weights.h5")
-    first.save_weights(path)
+    for step in range(6):
+        if step == 3:
+            straight.save_weights(path)
+        straight.train_on_batch(x[step], y[step])
     resumed = build()
     resumed.load_weights(path)
     for step in range(3, 6):

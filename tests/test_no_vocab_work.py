@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import sparseopt
-from tests.helpers import kinds, registered_cases
+from tests.helpers import XLA_PRODUCTION_FUSIONS, kinds, registered_cases
 
 V, D, N_IDS = 1_000_003, 8, 16  # an odd V that no other dimension matches
 TABLE_BYTES = V * D * 4
@@ -38,7 +38,8 @@ def vocab_sized_work(model, data):
         from sparseopt import compat
 
         state = compat.jax_train_state(model, data)
-        compiled = jax.jit(model.train_step, donate_argnums=0).lower(state, data).compile()
+        compiled = jax.jit(model.train_step, donate_argnums=0).lower(state, data).compile(
+            XLA_PRODUCTION_FUSIONS)
         mem = compiled.memory_analysis()
         return mem.temp_size_in_bytes, mem.output_size_in_bytes - mem.alias_size_in_bytes
     import tensorflow as tf

@@ -86,18 +86,13 @@ def test_three_epochs_save_load_in_a_new_process_two_more_equals_five(straight, 
 @pytest.mark.parametrize("callback", on_jax(["keras", "sparseopt"]))
 def test_sigkill_mid_epoch_then_backup_and_restore_ends_where_straight_run_ends(
         straight, tmp_path, callback):
-    cmd = [sys.executable, "-m", "tests.jobs.train_job", "backup", str(tmp_path),
-           "--callback", callback]
-    child = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True)
-    seen = []
-    for line in child.stdout:
-        seen.append(line.strip())
-        if line.strip() == "batch 2 3":  # epoch 3 of 5, mid-epoch
-            child.send_signal(signal.SIGKILL)
-            break
-    assert child.wait(timeout=60) == -signal.SIGKILL, seen[-3:]
-    assert "done" not in seen and not (tmp_path / "backup.npz").exists()
+    """SIGKILL after batch 3 of epoch 3 (of 5), then a restart of the same command."""
+    proc = job("backup", tmp_path, "--callback", callback, env={"KILL_AT": "2 3"},
+               check=False)
+    seen = proc.stdout.split("\n")
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert "batch 2 3" in seen and "batch 2 4" not in seen and "done" not in seen
+    assert not (tmp_path / "backup.npz").exists()
     job("backup", tmp_path, "--callback", callback)
     assert_same_state(straight, tmp_path / "backup.npz")
 

@@ -261,7 +261,8 @@ def test_what_moves_and_scratch_memory_do_not_grow_with_the_vocabulary(runs, job
 
 
 def test_sharded_checkpoint_resumes_bit_for_bit(runs):
-    """rows8: 6 steps, model.save, load_model under the same layout, 6 more steps."""
+    """rows8: the run saves after 6 of its 12 steps (model.save); load_model under
+    the same layout and the 6 other steps end where the run ends."""
     straight, resumed = _load(runs, "rows8"), _load(runs, "rows8_resumed")
     assert sorted(resumed.files) == sorted(straight.files + ["shards"])
     for key in straight.files:

@@ -1,6 +1,6 @@
-"""Sparse tables trained by TensorFlow `MirroredStrategy` replicas (4 logical CPUs).
+"""Sparse tables trained by TensorFlow `MirroredStrategy` replicas (logical CPUs).
 
-Usage: python -m tests.jobs.replicas_job OUT_DIR
+Usage: python -m tests.jobs.replicas_job OUT_DIR [--replicas R] [--quick]
 
 The device count is fixed when TensorFlow starts, hence a process of its
 own. Each run leaves in OUT_DIR (`<run>.npz`: arrays; `<run>.json`: counts
@@ -13,12 +13,12 @@ and messages):
   grouped (`grouped/...`), every replica's copy of every variable
   (`.../<path>@<replica>`); then the replicas' checkpoint loaded on one
   device (`loaded/...`);
-- `uneven`: a global batch that does not split evenly (66 examples by 16:
-  the last batch gives replicas 1, 1, 0, 0 examples): a
-  sparse SGD table against Keras' own SGD on a dense one-hot table, both
-  under the same strategy;
+- `uneven`: a global batch that does not split evenly (64 + R / 2 examples
+  by 16: the last batch gives half the replicas one example and the others
+  none; 66 and 1, 1, 0, 0 with 4 replicas): a sparse SGD table against
+  Keras' own SGD on a dense one-hot table, both under the same strategy;
 - `scaled`: `LossScaleOptimizer(DispatchOptimizer(...))` whose step 2 has a
-  non-finite loss on replica 3 only, on one device and on 4 replicas;
+  non-finite loss on the last replica only, on one device and on R replicas;
 - `graph`: a custom training loop's traced step (`strategy.run`): every op
   output with a table-sized dimension, and the collectives;
 - `refused`: the message `CentralStorageStrategy` gets.
@@ -31,7 +31,8 @@ import time
 
 import tensorflow as tf
 
-REPLICAS = 4
+# R logical devices (4 unless `--replicas`): fixed before TensorFlow starts.
+REPLICAS = int(sys.argv[sys.argv.index("--replicas") + 1]) if "--replicas" in sys.argv else 4
 _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(
     _cpu, [tf.config.LogicalDeviceConfiguration()] * REPLICAS)
@@ -187,24 +188,24 @@ def run_controls(out):
 
 
 def run_uneven(out):
-    strategy, arrays = mirrored(), {}
-    for examples in (66,):
-        rng = np.random.default_rng(examples)
-        x = rng.integers(0, 40, (examples, 3)).astype("int32")
-        y = rng.normal(size=(examples, 1)).astype("float32")
-        with strategy.scope():
-            models = [one_table_model(sparse) for sparse in (True, False)]
-        for weight, reference in zip(dense_weights(models[0]), models[1].weights):
-            reference.assign(weight.numpy())
-        for model in models:
-            model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-        for kind, model in zip(("sparse", "dense"), models):
-            for i, w in enumerate(dense_weights(model)):
-                arrays[f"{examples}/{kind}/{i}"] = w.numpy()
-            arrays[f"{examples}/{kind}/replicas_equal"] = np.array(all(
-                all(np.array_equal(c.numpy(), w.numpy())
-                    for c in strategy.experimental_local_results(w.value))
-                for w in model.weights))
+    strategy, examples = mirrored(), EXAMPLES + REPLICAS // 2
+    arrays = {"examples": np.array(examples)}
+    rng = np.random.default_rng(examples)
+    x = rng.integers(0, 40, (examples, 3)).astype("int32")
+    y = rng.normal(size=(examples, 1)).astype("float32")
+    with strategy.scope():
+        models = [one_table_model(sparse) for sparse in (True, False)]
+    for weight, reference in zip(dense_weights(models[0]), models[1].weights):
+        reference.assign(weight.numpy())
+    for model in models:
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    for kind, model in zip(("sparse", "dense"), models):
+        for i, w in enumerate(dense_weights(model)):
+            arrays[f"{kind}/{i}"] = w.numpy()
+        arrays[f"{kind}/replicas_equal"] = np.array(all(
+            all(np.array_equal(c.numpy(), w.numpy())
+                for c in strategy.experimental_local_results(w.value))
+            for w in model.weights))
     np.savez(os.path.join(out, "uneven.npz"), **arrays)
 
 
@@ -231,7 +232,7 @@ def run_scaled(out):
     rng = np.random.default_rng(3)
     x = rng.integers(0, 50, (EXAMPLES, 3)).astype("int32")
     y = rng.normal(size=(EXAMPLES, 1)).astype("float32")
-    y[BATCH + 3 * BATCH // REPLICAS] = np.inf  # step 2, replica 3's first example
+    y[BATCH + (REPLICAS - 1) * BATCH // REPLICAS] = np.inf  # step 2, the last replica's first
     strategy, arrays, report = mirrored(), {}, {}
     for name in ("single", "multi"):
         keras.backend.clear_session()

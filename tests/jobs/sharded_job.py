@@ -44,6 +44,7 @@ from jax.experimental import multihost_utils
 
 import sparseopt
 from sparseopt.distribution import bytes_per_device, collectives, compile_train_step
+from tests.helpers import XLA_PRODUCTION_FUSIONS
 
 TABLES = {  # name: (rows, width, updater)
     "user": (4096, 8, lambda: sparseopt.updaters.Adagrad(0.1)),
@@ -59,7 +60,9 @@ LAYOUTS = ("single", "rows8", "rows2x4", "cols2x4", "data8")
 def build_model(layout="single", scale=1, **options):
     """The model under `layout`; `scale` multiplies every table's rows; `options` go
     to the `DispatchOptimizer`."""
-    keras.backend.clear_session()  # the same variable paths in every run (and no distribution)
+    # The same variable paths in every run (and no distribution); no garbage
+    # collection (0.2 s a call, 2.5 s a job).
+    keras.backend.clear_session(free_memory=False)
     keras.distribution.set_distribution(distribution(layout))
     keras.utils.set_random_seed(1)
     inputs, features = [], []
@@ -152,27 +155,33 @@ def run(layout, out, x, y, init, checks=True):
     model = build_model(layout)
     model.set_weights(init)
     x, y = {k: this_process(v) for k, v in x.items()}, this_process(y)
-    local_batch = BATCH // jax.process_count()
-    model.fit(x, y, batch_size=local_batch, epochs=1, shuffle=False, verbose=0)
+    fit = dict(batch_size=BATCH // jax.process_count(), shuffle=False, verbose=0)
+    half = len(y) // 2
+    if layout == "rows8":  # checkpointed halfway: the resumed run starts there (`resume`)
+        checkpoint = save_halfway(model, layout, out, {k: v[:half] for k, v in x.items()},
+                                  y[:half], fit)
+        model.fit({k: v[half:] for k, v in x.items()}, y[half:], **fit)
+    else:
+        model.fit(x, y, **fit)
     saved = everything(model)
     if jax.process_index() == 0:
         np.savez(os.path.join(out, f"{layout}.npz"), **saved)
     if layout == "rows8":
-        resume(layout, out, x, y, init)
+        resume(layout, out, checkpoint, {k: v[half:] for k, v in x.items()}, y[half:], fit)
     if jax.process_count() > 1:
         return  # the layout checks below run in the one-process job
 
+    report = {"devices": len(keras.distribution.list_devices()),
+              "dropped_ids": model.optimizer.dropped_ids(), "tables": {}}
     batch_x = {k: v[:BATCH] for k, v in x.items()}
-    compiled = compile_train_step(model, batch_x, y[:BATCH])
-    report = {
-        "devices": len(keras.distribution.list_devices()),
-        "dropped_ids": model.optimizer.dropped_ids(),
-        "tables": {},
-        "collectives": [[c.kind, c.shapes, c.nbytes] for c in collectives(compiled.as_text())],
-        "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
-        "argument_bytes": compiled.memory_analysis().argument_size_in_bytes,
-        "alias_bytes": compiled.memory_analysis().alias_size_in_bytes,
-    }
+    if layout != "single":  # what the step moves and holds (one device: nothing moves)
+        compiled = compile_train_step(model, batch_x, y[:BATCH],
+                                      compiler_options=XLA_PRODUCTION_FUSIONS)
+        memory = compiled.memory_analysis()
+        report.update(
+            collectives=[[c.kind, c.shapes, c.nbytes] for c in collectives(compiled.as_text())],
+            temp_bytes=memory.temp_size_in_bytes, argument_bytes=memory.argument_size_in_bytes,
+            alias_bytes=memory.alias_size_in_bytes)
     for name in TABLES:
         variables = table_state(model, name)
         report["tables"][name] = {
@@ -188,7 +197,8 @@ def run(layout, out, x, y, init, checks=True):
         # devices must not grow with the vocabulary.
         big = build_model(layout, scale=8)
         big.optimizer.build(big.trainable_variables)
-        big_step = compile_train_step(big, batch_x, y[:BATCH])
+        big_step = compile_train_step(big, batch_x, y[:BATCH],
+                                      compiler_options=XLA_PRODUCTION_FUSIONS)
         report["collectives_8x_rows"] = [[c.kind, c.shapes, c.nbytes]
                                          for c in collectives(big_step.as_text())]
         report["temp_bytes_8x_rows"] = big_step.memory_analysis().temp_size_in_bytes
@@ -196,7 +206,8 @@ def run(layout, out, x, y, init, checks=True):
         table = big.get_layer("user").embeddings.value
         everywhere = jax.sharding.NamedSharding(table.sharding.mesh,
                                                 jax.sharding.PartitionSpec())
-        gathered = jax.jit(lambda t: t * 2, out_shardings=everywhere).lower(table).compile()
+        gathered = jax.jit(lambda t: t * 2, out_shardings=everywhere).lower(table).compile(
+            XLA_PRODUCTION_FUSIONS)
         report["control_collectives"] = [[c.kind, c.shapes, c.nbytes]
                                          for c in collectives(gathered.as_text())]
         # A table large enough that Keras creates it on its devices with a
@@ -242,7 +253,7 @@ def run_routing(layout, out):
     x = np.concatenate([rng.integers(-1, rows + 1, (half, n_ids)),
                         rng.integers(0, rows // 8, (half, n_ids))])
     y = rng.normal(size=(2 * half, n_ids, width)).astype("float32")
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     keras.distribution.set_distribution(distribution(layout))
     keras.utils.set_random_seed(4)
     ids_in = keras.Input((n_ids,), dtype="int32")
@@ -286,7 +297,7 @@ def run_bfloat16(layout, out):
     result bit for bit (in the four-table model, float rounding of the dense
     part would move a rounding threshold now and then).
     """
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     keras.distribution.set_distribution(distribution(layout))
     keras.utils.set_random_seed(3)
     rows, width, n_ids = 1024, 8, 4
@@ -308,40 +319,48 @@ def run_bfloat16(layout, out):
         np.savez(os.path.join(out, f"{layout}_bfloat16.npz"), **saved)
 
 
-def resume(layout, out, x, y, init):
-    """Half the steps, a checkpoint, a new model restored from it, the other half.
+def save_halfway(model, layout, out, x, y, fit):
+    """Trains `model` on the first half of the steps and checkpoints it; returns the path.
 
-    One process: `model.save` and `load_model`. Several: Keras'
-    `OrbaxCheckpoint` and `load_weights` (`model.save` needs every shard in
-    one process, which Keras cannot fetch across hosts).
+    One process: `model.save`. Several: Keras' `OrbaxCheckpoint` (`model.save`
+    needs every shard in one process, which Keras cannot fetch across hosts;
+    sparseopt's one-file save is refused, which `one_file_save.txt` records).
     """
-    half = len(y) // 2
-    first = build_model(layout)
-    first.set_weights(init)
-    fit = dict(batch_size=BATCH // jax.process_count(), shuffle=False, verbose=0)
     if jax.process_count() == 1:
-        first.fit({k: v[:half] for k, v in x.items()}, y[:half], **fit)
+        model.fit(x, y, **fit)
         path = os.path.join(out, f"{layout}_half.keras")
-        first.save(path)
-        keras.backend.clear_session()
+        model.save(path)
+        return path
+    path = os.path.join(out, f"{layout}_orbax")
+    saver = keras.callbacks.OrbaxCheckpoint(path)
+    model.fit(x, y, callbacks=[saver], **fit)
+    saver.wait_until_finished()
+    try:  # one file from one of several processes: refused, with the way out
+        sparseopt.saving.save_model(model, os.path.join(out, "one_file.keras"))
+        refused = "saved"
+    except ValueError as e:
+        refused = str(e)
+    if jax.process_index() == 0:
+        with open(os.path.join(out, "one_file_save.txt"), "w") as f:
+            f.write(refused)
+    return path
+
+
+def resume(layout, out, checkpoint, x, y, fit):
+    """A new model restored from `save_halfway`'s checkpoint trains the other half.
+
+    One process: `load_model`. Several: a new model and `load_weights`.
+    Leaves `<layout>_resumed.npz`.
+    """
+    if jax.process_count() == 1:
+        keras.backend.clear_session(free_memory=False)
         keras.distribution.set_distribution(distribution(layout))
-        model = keras.saving.load_model(path)
+        model = keras.saving.load_model(checkpoint)
     else:
-        saver = keras.callbacks.OrbaxCheckpoint(os.path.join(out, f"{layout}_orbax"))
-        first.fit({k: v[:half] for k, v in x.items()}, y[:half], callbacks=[saver], **fit)
-        saver.wait_until_finished()
-        try:  # one file from one of several processes: refused, with the way out
-            sparseopt.saving.save_model(first, os.path.join(out, "one_file.keras"))
-            refused = "saved"
-        except ValueError as e:
-            refused = str(e)
-        if jax.process_index() == 0:
-            with open(os.path.join(out, "one_file_save.txt"), "w") as f:
-                f.write(refused)
         model = build_model(layout)
         model.optimizer.build(model.trainable_variables)
-        model.load_weights(os.path.join(out, f"{layout}_orbax"))
-    model.fit({k: v[half:] for k, v in x.items()}, y[half:], **fit)
+        model.load_weights(checkpoint)
+    model.fit(x, y, **fit)
     saved = everything(model)
     saved["shards"] = np.array(sorted(
         {s.data.shape for v in table_state(model, "user")[:2] for s in v.value.addressable_shards}))
@@ -364,7 +383,7 @@ def reshard(out, x, y, init):
     path = None
     for i, (layout, saver) in enumerate(RESHARD):
         if saver == "keras_model":
-            keras.backend.clear_session()
+            keras.backend.clear_session(free_memory=False)
             keras.distribution.set_distribution(distribution(layout))
             model = keras.saving.load_model(path)
         else:

@@ -10,18 +10,18 @@ Modes:
     resume_model    keras.saving.load_model(DIR/m.keras), fit epochs 3-4, dump
     resume_weights  new model, compile, load_weights(DIR/w.weights.h5), fit epochs 3-4, dump
     backup          fit 5 epochs with a BackupAndRestore callback in DIR/backup, dump;
-                    prints "batch E B" after each batch (the test kills it mid-epoch)
+                    prints "batch E B" after each batch
     save            fit 1 epoch and save with `--saver` to DIR/ckpt.*, twice (1 more epoch
                     between); dumps after the first save
 
-Environment: SAVE_TRAP=k kills the process (SIGKILL) inside the k-th save of the model.
+Environment: SAVE_TRAP=k kills the process (SIGKILL) inside the k-th save of the model;
+KILL_AT="E B" kills it (SIGKILL) right after batch B of epoch E (0-based), mid-epoch.
 """
 
 import argparse
 import os
 import signal
 import sys
-import time
 
 import keras
 import numpy as np
@@ -94,12 +94,15 @@ def _bits(variable):
 
 
 class Progress(keras.callbacks.Callback):
+    """Prints "batch E B" after each batch; SIGKILLs the process at `KILL_AT`."""
+
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
         print(f"batch {self.epoch} {batch}", flush=True)
-        time.sleep(0.05)  # so that a kill from the test lands mid-epoch
+        if os.environ.get("KILL_AT") == f"{self.epoch} {batch}":
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def fit(model, epochs, initial_epoch=0, callbacks=()):
