@@ -94,8 +94,9 @@ def train_reference_model():
     return out
 
 
-# Once per `make test` (it trains on both backends either way: here and in a child).
-@pytest.mark.backend_independent
+# Once per `make test` (it trains on both backends either way: here and in a child),
+# in the JAX session (the two sessions' times balanced: the TF session is longer).
+@pytest.mark.jax_session
 def test_same_model_init_and_data_give_the_same_weights_on_both_backends(tmp_path):
     other = "tensorflow" if BACKEND == "jax" else "jax"
     out = tmp_path / "other.json"
