@@ -53,11 +53,12 @@ JAX_CACHE = JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.pytest_tmp/jax_cache \
 # XLA:CPU's legacy code emitters instead of its MLIR fusion emitters
 # (--xla_cpu_use_fusion_emitters=false: a train step compiles in 0.13 s instead
 # of 0.29 s; test_dispatch, test_no_vocab_work and test_update_rules on JAX
-# 117 -> 74 s). Both change code generation only, i.e. at most the last bits
-# of a float result; the emitters also decide some fusions, so the checks that
-# read a compiled program (buffers, aliasing, collectives) compile it with the
-# default emitters (tests/helpers.py, XLA_PRODUCTION_FUSIONS). `make demo` and the
-# benchmarks compile at the defaults.
+# 117 -> 74 s). They change how XLA generates code, not what it computes: at
+# most the last bits of a float result. The emitters also decide some fusions
+# (hence buffers), so the checks that read a compiled program (buffers,
+# aliasing, collectives) compile it with the default emitters
+# (tests/helpers.py, XLA_PRODUCTION_FUSIONS). `make demo` and the benchmarks
+# compile at the defaults.
 # A child that mostly runs steps (the soak: 7,000 of them) drops these flags
 # (`tests/helpers.child_env(test_xla=False)`): 38.7 -> 22.7 s, measured.
 TEST_XLA_FLAGS = --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false

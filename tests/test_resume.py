@@ -42,6 +42,7 @@ def job(mode, directory, *args, env=None, check=True):
 def _env(extra=None):
     env = child_env()
     env.pop("SAVE_TRAP", None)
+    env.pop("KILL_AT", None)
     env.update(extra or {})
     return env
 
@@ -86,7 +87,8 @@ def test_three_epochs_save_load_in_a_new_process_two_more_equals_five(straight, 
 @pytest.mark.parametrize("callback", on_jax(["keras", "sparseopt"]))
 def test_sigkill_mid_epoch_then_backup_and_restore_ends_where_straight_run_ends(
         straight, tmp_path, callback):
-    """SIGKILL after batch 3 of epoch 3 (of 5), then a restart of the same command."""
+    """SIGKILL right after the 4th batch of the 3rd epoch (of 5; `KILL_AT` counts from 0),
+    then a restart of the same command."""
     proc = job("backup", tmp_path, "--callback", callback, env={"KILL_AT": "2 3"},
                check=False)
     seen = proc.stdout.split("\n")

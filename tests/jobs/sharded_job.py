@@ -157,17 +157,18 @@ def run(layout, out, x, y, init, checks=True):
     x, y = {k: this_process(v) for k, v in x.items()}, this_process(y)
     fit = dict(batch_size=BATCH // jax.process_count(), shuffle=False, verbose=0)
     half = len(y) // 2
+    first, second = (({k: v[part] for k, v in x.items()}, y[part])
+                     for part in (slice(None, half), slice(half, None)))
     if layout == "rows8":  # checkpointed halfway: the resumed run starts there (`resume`)
-        checkpoint = save_halfway(model, layout, out, {k: v[:half] for k, v in x.items()},
-                                  y[:half], fit)
-        model.fit({k: v[half:] for k, v in x.items()}, y[half:], **fit)
+        checkpoint = save_halfway(model, layout, out, *first, fit)
+        model.fit(*second, **fit)
     else:
         model.fit(x, y, **fit)
     saved = everything(model)
     if jax.process_index() == 0:
         np.savez(os.path.join(out, f"{layout}.npz"), **saved)
     if layout == "rows8":
-        resume(layout, out, checkpoint, {k: v[half:] for k, v in x.items()}, y[half:], fit)
+        resume(layout, out, checkpoint, *second, fit)
     if jax.process_count() > 1:
         return  # the layout checks below run in the one-process job
 
