@@ -12,7 +12,7 @@ from keras import ops
 import sparseopt
 from tests import reference
 from tests.conftest import to_np
-from tests.helpers import ROOT, child_env, kinds, optimizer_state
+from tests.helpers import ROOT, child_env, dot_loss, kinds, optimizer_state, table_model
 
 BACKEND = keras.backend.backend()
 
@@ -165,3 +165,31 @@ def test_tensorflow_applies_its_own_kernel_where_the_rule_matches(mode):
         assert "ResourceScatterUpdate" in ops_used
     else:
         assert sparse_apply_ops == {kernel}
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.function's tracing")
+def test_an_optimizer_built_before_fit_lets_tensorflow_trace_the_first_step_once():
+    """docs/backends.md: built up front, the tables' state (and the wrapped Adam's) exists
+    before the step is traced; built by Keras inside the trace (the control), the
+    step is traced again after the variables are created."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 50, (64, 3)).astype("int32")
+    y = rng.normal(size=(64, 3, 4)).astype("float32")
+
+    def traces(build_first):
+        model, _ = table_model(50, 4, 3, sparseopt.updaters.Adagrad(0.1))
+        model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam(0.1)),
+                      loss=dot_loss)
+        if build_first:
+            model.optimizer.build(model.trainable_variables)
+        step, traced = model.train_step, []
+
+        def counted(data):  # runs once per trace of the step
+            traced.append(1)
+            return step(data)
+
+        model.train_step = counted
+        model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+        return len(traced)
+
+    assert (traces(True), traces(False)) == (1, 2)
