@@ -201,6 +201,24 @@ def _wraps(outer, inner):
     return False
 
 
+def unsaved_attributes(names):
+    """A `__dir__` for a class whose attributes `names` Keras' saver must not walk.
+
+    Keras' saver finds the state to save by walking `dir(obj)` (keras
+    `saving_lib`'s `_walk_saveable`): attributes left out of `dir` are not
+    saved from there (the object saves them itself, if at all).
+
+    Args:
+        names: attribute names to leave out.
+    """
+    names = frozenset(names)
+
+    def __dir__(self):
+        return [n for n in object.__dir__(self) if n not in names]
+
+    return __dir__
+
+
 # -- TensorFlow --------------------------------------------------------------
 
 def in_xla_context():

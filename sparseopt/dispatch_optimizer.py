@@ -613,17 +613,12 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
 
     # -- saving: everything but the dedup workspace ---------------------------
 
-    # Keras' saver walks `dir(optimizer)` and would save each wrapped
-    # optimizer a second time under its own path (and, loading into an
-    # unbuilt one, warn that it skipped it). This optimizer saves their
-    # variables itself, in `save_own_variables`.
-    _WRAPPED = frozenset({"optimizer", "_default_optimizer", "_dense_optimizers",
-                          "dense_optimizers",
-                          "_optimizer_map", "_route", "loss_scaling_wrapper",
-                          "_scaling_wrapper"})
-
-    def __dir__(self):
-        return [n for n in super().__dir__() if n not in self._WRAPPED]
+    # Keras' saver would save each wrapped optimizer a second time under its
+    # own path (and, loading into an unbuilt one, warn that it skipped it).
+    # This optimizer saves their variables itself, in `save_own_variables`.
+    __dir__ = compat.unsaved_attributes({
+        "optimizer", "_default_optimizer", "_dense_optimizers", "dense_optimizers",
+        "_optimizer_map", "_route", "loss_scaling_wrapper", "_scaling_wrapper"})
 
     def save_own_variables(self, store):
         for i, variable in enumerate(self.state_variables()):

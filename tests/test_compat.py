@@ -64,6 +64,36 @@ def test_keras_internals():
     assert model._initial_epoch == 3
 
 
+def test_keras_saver_walks_what_dir_lists(tmp_path):
+    """`unsaved_attributes`: an attribute left out of `dir` is not saved from there."""
+    import h5py
+
+    class Holder(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.shown, self.hidden = keras.layers.Dense(1), keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.shown(x) + self.hidden(x)
+
+    class Hiding(Holder):
+        __dir__ = compat.unsaved_attributes({"hidden"})
+
+    saved = {}
+    for cls in (Holder, Hiding):  # Holder: the control, saved from `dir`
+        model = cls()
+        model(np.ones((1, 2), "float32"))
+        path = tmp_path / f"{cls.__name__}.weights.h5"
+        model.save_weights(path)
+        with h5py.File(path, "r") as f:
+            saved[cls] = []
+            f.visit(saved[cls].append)
+    # Keras saves a walked attribute under its own name (both layers are also
+    # saved under `layers/`, from the model's list of layers).
+    assert "hidden/vars/0" in saved[Holder]
+    assert "hidden" not in saved[Hiding] and "layers/dense_1/vars/0" in saved[Hiding]
+
+
 def test_model_and_wrapper_are_found_on_the_stack():
     ids = keras.Input((2,), dtype="int32")
     emb = sparseopt.layers.SparseEmbedding(10, 2, updater=sparseopt.updaters.SGD(0.1))

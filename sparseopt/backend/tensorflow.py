@@ -75,11 +75,11 @@ def dedup(ids, grads, num_rows, workspace):
     # Few ids: op by op (an XLA compilation per shape costs more than it saves).
     few = ids.shape[0] is not None and ids.shape[0] < COMPILED_DEDUP_MIN_IDS
     if isinstance(grads, row_grads.BagGrads):  # expanded inside the (compiled) sum
-        run = _dedup_bags.python_function if few else _dedup_bags
+        run = _dedup_bags if few else _compiled_dedup_bags
         uniq, summed, count = run(ids, representative, num_rows, grads.values, grads.bag,
                                   grads.weight)
     else:
-        run = _dedup_rows.python_function if few else _dedup_rows
+        run = _dedup_rows if few else _compiled_dedup_rows
         uniq, summed, count = run(ids, representative, num_rows, grads)
     if compat.in_xla_context():
         # Inside an XLA cluster, slicing at a computed bound does not compile
@@ -114,15 +114,19 @@ def _distinct(ids, representative, num_rows, rows):
     return uniq, summed, tf.reduce_sum(tf.cast(is_first, tf.int32))
 
 
-@tf.function(jit_compile=True, reduce_retracing=True, autograph=False)
 def _dedup_rows(ids, representative, num_rows, grads):
     return _distinct(ids, representative, num_rows, lambda: grads)
 
 
-@tf.function(jit_compile=True, reduce_retracing=True, autograph=False)
 def _dedup_bags(ids, representative, num_rows, values, bag, weight):
     return _distinct(ids, representative, num_rows,
                      lambda: tf.gather(values, bag) * weight[:, None])
+
+
+# The same two, compiled by XLA (`dedup` picks by the number of ids).
+_compiled_dedup_rows, _compiled_dedup_bags = (
+    tf.function(f, jit_compile=True, reduce_retracing=True, autograph=False)
+    for f in (_dedup_rows, _dedup_bags))
 
 
 def for_distinct_rows(update, variables, uniq, summed, count):
