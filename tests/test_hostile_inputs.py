@@ -27,6 +27,7 @@ MODES = {"eager": {"run_eagerly": True}, "traced": {"jit_compile": False},
 # Compiled first: the usual case leads `crossed` rotations.
 ON_JAX = keras.backend.backend() == "jax"
 COVERED_MODES = ["xla", "eager"] if ON_JAX else ["xla", "traced", "eager"]
+OTHER_MODES = [m for m in MODES if m not in COVERED_MODES]
 RUN_MODES = kinds(sorted(MODES), COVERED_MODES)
 
 
@@ -199,7 +200,7 @@ KINDS = ["Adam", "Ftrl", "PartialRowwiseAdam"]
 
 
 @pytest.mark.parametrize("mode,name", crossed(
-    COVERED_MODES, KINDS, [m for m in MODES if m not in COVERED_MODES],
+    COVERED_MODES, KINDS, OTHER_MODES,
     [n for n in sorted(sparseopt.updaters.registry(shipped_only=True)) if n not in KINDS]))
 def test_a_batch_of_one_id_repeated_everywhere(mode, name):
     updater = getattr(sparseopt.updaters, name)(0.1)
@@ -214,8 +215,7 @@ def test_a_batch_of_one_id_repeated_everywhere(mode, name):
 
 
 @pytest.mark.parametrize("mode,scaling", crossed(
-    COVERED_MODES, ["none", "loss_scale_factor", "loss_scale_optimizer"],
-    [m for m in MODES if m not in COVERED_MODES]))
+    COVERED_MODES, ["none", "loss_scale_factor", "loss_scale_optimizer"], OTHER_MODES))
 @pytest.mark.parametrize("bad", kinds([np.nan, np.inf], [np.nan]))
 def test_non_finite_gradients_leave_table_and_state_unchanged_and_are_reported(
         mode, scaling, bad):
