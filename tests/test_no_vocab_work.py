@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import sparseopt
-from tests.helpers import XLA_PRODUCTION_FUSIONS, kinds, registered_cases
+from tests.helpers import XLA_PRODUCTION_FUSIONS, kinds, registered_cases, table_model
 
 V, D, N_IDS = 1_000_003, 8, 16  # an odd V that no other dimension matches
 TABLE_BYTES = V * D * 4
@@ -176,3 +176,21 @@ def test_mixed_precision_does_not_cast_the_whole_table(layer):
         assert_no_vocab_work(vocab_sized_work(model, data))
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="XLA compiles JAX's whole step")
+def test_compile_options_reach_the_compile_the_checks_read():
+    """`compile_train_step(..., compiler_options=...)` applies them to that compile, whatever
+    the process' XLA_FLAGS: XLA:CPU's two code emitters fuse the step differently,
+    which is why the checks above pin the default one (`XLA_PRODUCTION_FUSIONS`)."""
+    from sparseopt.distribution import compile_train_step
+
+    model, _ = table_model(50, D, N_IDS, sparseopt.updaters.Adagrad(0.1))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    x = np.random.default_rng(0).integers(0, 50, (8, N_IDS)).astype("int32")
+    y = np.zeros((8, N_IDS, D), "float32")
+    texts = {emitters: compile_train_step(
+        model, x, y, compiler_options={"xla_cpu_use_fusion_emitters": emitters}).as_text()
+        for emitters in (True, False)}
+    assert texts[True] != texts[False]
