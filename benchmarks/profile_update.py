@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparseopt.backend import jax as sparse_jax
+from sparseopt.row_grads import RowGrads
 
 D, HOT = 32, 8192
 N = int(os.environ.get("PROFILE_IDS", 16_384))  # ids per step
@@ -44,7 +45,7 @@ def _dedup(space, ids, grads, rows):
         def assign(self, v):
             Var.value = v
 
-    out = sparse_jax.dedup(ids, grads, rows, Var())
+    out = sparse_jax.dedup(RowGrads(ids, grads), rows, Var())
     return out, Var.value
 
 

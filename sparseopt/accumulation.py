@@ -20,7 +20,8 @@ Keras.
 import keras
 from keras import ops
 
-from sparseopt import backend, row_grads
+from sparseopt import backend
+from sparseopt.row_grads import RowGrads
 
 
 class Accumulator:
@@ -70,7 +71,7 @@ class Accumulator:
         Args:
             micro: the micro-step in the cycle, `0 .. k - 1` (scalar tensor).
             dense: `{id(Keras optimizer): (gradients, variables)}`.
-            rows: `{id(trainer): (ids, row gradients)}` of the tables looked up.
+            rows: `{id(trainer): RowGrads}` of the tables looked up.
             trainers: every `TableTrainer` (a table not looked up gets an empty slot).
             key: the optimizer's `_var_key`.
         """
@@ -82,9 +83,9 @@ class Accumulator:
             capacity, ids_buffer, grads_buffer = self.tables[id(trainer)]
             width = trainer.table.shape[1]
             if id(trainer) in rows:
-                ids, grads = rows[id(trainer)]
-                ids = ops.reshape(ops.cast(ids, "int32"), (-1,))
-                grads = ops.reshape(row_grads.rows_of(grads), (-1, width))
+                record = rows[id(trainer)]
+                ids = ops.reshape(ops.cast(record.ids, "int32"), (-1,))
+                grads = ops.reshape(record.rows(), (-1, width))
             else:
                 ids, grads = ops.zeros((0,), "int32"), ops.zeros((0, width), "float32")
             ids, grads = _padded(ids, grads, capacity, trainer.name)
@@ -109,8 +110,8 @@ class Accumulator:
         for trainer in trainers:
             _, ids_buffer, grads_buffer = self.tables[id(trainer)]
             # TF MirroredStrategy: every replica's micro-batches, applied by each.
-            rows[id(trainer)] = backend.all_replicas(ids_buffer.value,
-                                                     grads_buffer.value / self.steps)
+            rows[id(trainer)] = backend.all_replicas(
+                RowGrads(ids_buffer.value, grads_buffer.value / self.steps))
         return means, rows
 
     def reset(self):

@@ -7,10 +7,11 @@ import keras
 from keras import ops
 import numpy as np
 
-from sparseopt import accumulation, backend, checks, clipping, compat, row_grads
+from sparseopt import accumulation, backend, checks, clipping, compat
 from sparseopt.discovery import declared_tables
 from sparseopt.keras_rs_tables import read_by_gather, read_sparsely
-from sparseopt.table_trainer import LookupRows, SlicedRows, TableTrainer, group_trainers
+from sparseopt.ops.row_sources import LookupRows, SlicedRows
+from sparseopt.table_trainer import TableTrainer, group_trainers
 from sparseopt.updaters import Updater
 
 
@@ -535,17 +536,16 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                 gs.append(grad)
                 vs.append(var)
         with keras.name_scope(self.name, caller=self):
-            rows = {}  # id(trainer) -> (ids, true row gradients) of this step
+            rows = {}  # id(trainer) -> the true RowGrads of this step
             for trainer in self._trainers.values():
-                found = trainer.source.row_gradients(watched, trainer.name)
-                if found is not None:
-                    ids, grads = found
+                record = trainer.source.row_gradients(watched, trainer.name)
+                if record is not None:
                     if self.loss_scale_factor is not None:
-                        grads = row_grads.scale(grads, 1.0 / self.loss_scale_factor)
+                        record = record.scaled(1.0 / self.loss_scale_factor)
                     if self._accumulator is None:
                         # TF MirroredStrategy: every replica's rows, applied by each.
-                        ids, grads = backend.all_replicas(ids, grads)
-                    rows[id(trainer)] = (ids, grads)
+                        record = backend.all_replicas(record)
+                    rows[id(trainer)] = record
             if self._accumulator is None:
                 self._step(dense, rows)
             else:
@@ -582,21 +582,21 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         Args:
             dense: `{id(Keras optimizer): (gradients, variables)}`, gradients
                 as the model computed them (a `loss_scale_factor` not undone).
-            rows: `{id(TableTrainer): (ids, true row gradients)}`.
+            rows: `{id(TableTrainer): true RowGrads}`.
         """
         iteration = self.iterations
         scale = self.learning_rate_scale() if self._trainers else None
         units, grouped = [], set()  # (TableGroup or TableTrainer, its step's rows)
         for group in self._groups:
-            looked_up = [(t, *rows[id(t)]) for t in group.trainers if id(t) in rows]
+            looked_up = [(t, rows[id(t)]) for t in group.trainers if id(t) in rows]
             if looked_up:
-                units.append((group, (looked_up,)))
+                units.append((group, looked_up))
             grouped.update(id(t) for t in group.trainers)
         units += [(t, rows[id(t)]) for t in self._trainers.values()
                   if id(t) in rows and id(t) not in grouped]
         factor = prepared = None
         if self.global_clipnorm:
-            prepared = [unit.prepare(*step) for unit, step in units]
+            prepared = [unit.prepare(step) for unit, step in units]
             norms = [clipping.squared_norm(backend.sum_over_replicas(g), self.loss_scale_factor)
                      for gs, _ in dense.values() for g in gs]
             factor = clipping.factor(norms + [p.squared_norm() for p in prepared],
@@ -607,7 +607,7 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                 opt.apply(gs if factor is None else [clipping.scaled(g, factor) for g in gs], vs)
         for i, (unit, step) in enumerate(units):
             if prepared is None:
-                unit.apply(*step, iteration, scale)
+                unit.apply(step, iteration, scale)
             else:
                 unit.finish(prepared[i], iteration, scale, factor)
 

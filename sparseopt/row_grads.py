@@ -1,6 +1,13 @@
-"""Row gradients as a table's trainer receives them: one row per id, or one per bag.
+"""One table's step as it travels from a lookup to its updated rows: `RowGrads`.
 
-A lookup's backward pass yields the gradient of every id it read. For a
+A lookup's backward pass records a `RowGrads` (the ids it read and their
+gradients); the optimizer's gradient source hands the true (unscaled)
+record of the step to the table's trainer, which deduplicates it into a
+`Distinct` (each distinct id once, its gradients summed) and applies the
+rule to those rows. New per-step facts (e.g. rows that changed owner) are
+new fields of `RowGrads`, not new arguments along the way.
+
+Row gradients come one row per id, or one per bag. A lookup's backward pass yields the gradient of every id it read. For a
 pooled lookup (`SparseEmbedding(combiner="sum"|"mean")`) those are the bag's
 one gradient repeated for each id of the bag, times the id's pooling weight:
 `BagGrads` keeps them in that form, so that the `[ids, width]` array is never
@@ -9,7 +16,72 @@ that handles row gradients goes through the functions below, which take
 either form.
 """
 
+import dataclasses
+from typing import Any, NamedTuple
+
 from keras import ops
+
+
+@dataclasses.dataclass(frozen=True)
+class RowGrads:
+    """One table's row gradients of one step.
+
+    Args:
+        ids: int `[N]` ids, duplicates allowed (their gradients are summed);
+            ids outside `[0, rows)` are ignored.
+        grads: `[N, width]` gradient of each id, or `BagGrads`.
+        calls: how many lookup calls' backward passes recorded them (a
+            Python int; 1 where the gradients came another way).
+    """
+
+    ids: Any
+    grads: Any
+    calls: int = 1
+
+    def scaled(self, factor):
+        """The same record with every gradient times the scalar `factor`."""
+        return dataclasses.replace(self, grads=scale(self.grads, factor))
+
+    def as_float32(self):
+        """The same record with float32 gradients (what the update computes with)."""
+        return dataclasses.replace(self, grads=as_float32(self.grads))
+
+    def all_finite(self):
+        """Whether every gradient is finite (a boolean scalar tensor)."""
+        return all_finite(self.grads)
+
+    def rows(self):
+        """The `[N, width]` gradients, spelled out where they are kept per bag."""
+        return rows_of(self.grads)
+
+    @staticmethod
+    def concatenate(records):
+        """Several records of one table (or a group's tables) as one, in order."""
+        if len(records) == 1:
+            return records[0]
+        return RowGrads(ops.concatenate([r.ids for r in records], axis=0),
+                        concatenate([r.grads for r in records]),
+                        sum(r.calls for r in records))
+
+
+class Distinct(NamedTuple):
+    """A step deduplicated: each distinct id once, with its gradients summed.
+
+    Args:
+        ids: int `[M]`: the `count` distinct ids first; a backend may pad
+            the rest with ids past the table (zero gradient), which its
+            gather clamps and its scatter drops.
+        grads: float32 `[M, width]` summed gradient of each entry.
+        count: int32 scalar, the number of distinct ids.
+    """
+
+    ids: Any
+    grads: Any
+    count: Any
+
+    def scaled(self, factor):
+        """The same rows with every summed gradient times `factor`."""
+        return self._replace(grads=self.grads * factor)
 
 
 class BagGrads:

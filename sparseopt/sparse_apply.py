@@ -10,26 +10,28 @@ run on each shard, on the ids that shard owns.
 
 from keras import ops
 
-from sparseopt import backend, precision, row_grads
+from sparseopt import backend, precision
+from sparseopt.row_grads import RowGrads
 from sparseopt.updaters import hyperparameters
 
 
-def sparse_apply(updater, table, slots, ids, grads, learning_rate, step, workspace=None,
+def sparse_apply(updater, table, slots, record, learning_rate, step, workspace=None,
                  rounding=None, values=None):
     """Updates the touched rows of `table` and its `slots` in place.
 
-    `prepare` then `finish` (which is what a trainer runs, with global
+    The backend's native step where it has one for this table
+    (`backend.native_step`, which then does dedup, sums and writes itself);
+    else `prepare` then `finish` (which is what a trainer runs, with global
     clipping in between when asked).
 
     Args:
         updater: the `Updater` whose rule to apply.
         table: the `[V, D]` Keras variable.
         slots: dict slot name -> Keras variable (`[V, D]` or `[V]`).
-        ids: int `[N]` ids, duplicates allowed; ids outside `[0, V)` are
-            ignored.
-        grads: `[N, D]` true (unscaled) gradient of each occurrence, or the
-            same as `row_grads.BagGrads`. If any entry is not finite, the
-            table and its state are left unchanged.
+        record: the step's `sparseopt.row_grads.RowGrads`: ids (duplicates
+            allowed; ids outside `[0, V)` are ignored) and their true
+            (unscaled) gradients. If any is not finite, the table and its
+            state are left unchanged.
         learning_rate: scalar tensor.
         step: scalar int tensor, the 1-based update count.
         workspace: where `backend.WORKSPACE` is true, an int32 variable with
@@ -45,7 +47,12 @@ def sparse_apply(updater, table, slots, ids, grads, learning_rate, step, workspa
     """
     if values is None:
         values = {**updater.values_at(step), "learning_rate": learning_rate}
-    return finish(updater, table, slots, prepare(table, ids, grads, workspace), values, step,
+    rounding = rounding or precision.Rounding()
+    applied = backend.native_step(updater, table, slots, record, values, step, workspace,
+                                  rounding)
+    if applied is not None:
+        return applied
+    return finish(updater, table, slots, prepare(table, record, workspace), values, step,
                   workspace, rounding)
 
 
@@ -53,20 +60,19 @@ class Prepared:
     """One table's step between its dedup and its rule.
 
     A table on one device is deduplicated here, once (`distinct`); a table
-    whose rows are split over devices keeps the step's ids and gradients as
-    given (each shard deduplicates its own, `backend.on_row_shards`).
+    whose rows are split over devices keeps the step's record as given
+    (each shard deduplicates its own, `backend.on_row_shards`).
 
     Args:
-        ids: int `[N]` ids of the step.
-        grads: their float32 gradients (`[N, D]` or `row_grads.BagGrads`).
+        record: the step's `RowGrads`, float32.
         finite: boolean scalar: whether every gradient is finite.
-        distinct: `(ids, grads, count)` from `backend.dedup`, or None.
+        distinct: the `Distinct` rows from `backend.dedup`, or None.
         num_rows: the table's rows.
         workspace: the table's dedup workspace (or None).
     """
 
-    def __init__(self, ids, grads, finite, distinct, num_rows, workspace):
-        self.ids, self.grads, self.finite = ids, grads, finite
+    def __init__(self, record, finite, distinct, num_rows, workspace):
+        self.record, self.finite = record, finite
         self.distinct, self.num_rows, self.workspace = distinct, num_rows, workspace
 
     def squared_norm(self):
@@ -75,26 +81,26 @@ class Prepared:
         What a dense optimizer's `global_clipnorm` sees of this table. A
         table split over devices is deduplicated once more for it (globally).
         """
-        if self.distinct is not None:
-            return ops.sum(ops.square(self.distinct[1]))
-        _, summed, _ = backend.dedup(self.ids, self.grads, self.num_rows, self.workspace)
-        return ops.sum(ops.square(summed))
+        distinct = self.distinct
+        if distinct is None:
+            distinct = backend.dedup(self.record, self.num_rows, self.workspace)
+        return ops.sum(ops.square(distinct.grads))
 
 
-def prepare(table, ids, grads, workspace=None):
+def prepare(table, record, workspace=None):
     """The step of `table` deduplicated (on one device) and checked: a `Prepared`.
 
     Args:
         table: the `[V, D]` Keras variable.
-        ids, grads, workspace: as for `sparse_apply`.
+        record, workspace: as for `sparse_apply`.
     """
-    grads = row_grads.as_float32(grads)
+    record = record.as_float32()
     # A non-finite gradient skips the whole table for this step.
-    finite = row_grads.all_finite(grads)
+    finite = record.all_finite()
     distinct = None
     if backend.row_shards(table) is None:
-        distinct = backend.dedup(ids, grads, table.shape[0], workspace)
-    return Prepared(ids, grads, finite, distinct, table.shape[0], workspace)
+        distinct = backend.dedup(record, table.shape[0], workspace)
+    return Prepared(record, finite, distinct, table.shape[0], workspace)
 
 
 def finish(updater, table, slots, prepared, values, step, workspace=None, rounding=None,
@@ -112,22 +118,20 @@ def finish(updater, table, slots, prepared, values, step, workspace=None, roundi
     """
     rounding = rounding or precision.Rounding()
     if prepared.distinct is None:
-        grads = prepared.grads if factor is None else row_grads.scale(prepared.grads, factor)
+        record = prepared.record if factor is None else prepared.record.scaled(factor)
         return backend.on_row_shards(_apply, backend.row_shards(table), updater, table, slots,
-                                     prepared.ids, grads, values, step, workspace, rounding)
-    uniq, summed, count = prepared.distinct
-    finite = prepared.finite
+                                     record, values, step, workspace, rounding)
+    distinct, finite = prepared.distinct, prepared.finite
     if factor is not None:
-        summed = summed * factor
+        distinct = distinct.scaled(factor)
         finite = ops.logical_and(finite, ops.isfinite(factor))
-    _update_distinct(updater, table, slots, uniq, summed, count, finite, values, step,
-                     rounding)
+    _update_distinct(updater, table, slots, distinct, finite, values, step, rounding)
     return finite
 
 
-def _apply(updater, table, slots, ids, grads, values, step, workspace, rounding):
+def _apply(updater, table, slots, record, values, step, workspace, rounding):
     """Dedup, rule and scatter of one device's table (or row shard, in `on_row_shards`)."""
-    return finish(updater, table, slots, prepare(table, ids, grads, workspace), values, step,
+    return finish(updater, table, slots, prepare(table, record, workspace), values, step,
                   workspace, rounding)
 
 
@@ -139,7 +143,7 @@ def sparse_apply_group(updater, members, learning_rate, step, workspace=None,
 
     Args:
         updater: the `Updater` every member uses.
-        members: list of `(table, slots, ids, grads)`, as for `sparse_apply`.
+        members: list of `(table, slots, record)`, as for `sparse_apply`.
             Tables must not be split over devices.
         learning_rate: scalar tensor (unused where `values` are given).
         step: scalar int tensor, the 1-based update count.
@@ -155,8 +159,8 @@ def sparse_apply_group(updater, members, learning_rate, step, workspace=None,
     """
     if values is None:
         values = [{**updater.values_at(step), "learning_rate": learning_rate}] * len(members)
-    prepared = prepare_group([(t, ids, grads) for t, _, ids, grads in members], workspace)
-    return finish_group(updater, [(t, slots) for t, slots, _, _ in members], prepared, values,
+    prepared = prepare_group([(t, record) for t, _, record in members], workspace)
+    return finish_group(updater, [(t, slots) for t, slots, _ in members], prepared, values,
                         step, roundings)
 
 
@@ -164,7 +168,7 @@ class PreparedGroup:
     """A table group's step after its one dedup: `distinct` over the shifted ids.
 
     Args:
-        distinct: `(ids, grads, count)` from `backend.dedup` of the shifted ids.
+        distinct: the `Distinct` rows from `backend.dedup` of the shifted ids.
         finite: one boolean scalar per member.
         offsets: each member's first shifted id, then the total row count.
         sizes: static bounds on each member's distinct ids.
@@ -176,7 +180,7 @@ class PreparedGroup:
 
     def squared_norm(self):
         """The squared L2 norm of every member's summed row gradients."""
-        return ops.sum(ops.square(self.distinct[1]))
+        return ops.sum(ops.square(self.distinct.grads))
 
 
 def prepare_group(members, workspace=None):
@@ -190,11 +194,11 @@ def prepare_group(members, workspace=None):
     check: a non-finite gradient skips its own table only.
 
     Args:
-        members: list of `(table, ids, grads)`.
+        members: list of `(table, record)`.
         workspace: as for `sparse_apply_group`.
     """
     offsets, total = [], 0
-    for table, _, _ in members:
+    for table, _ in members:
         offsets.append(total)
         total += table.shape[0]
     if total > MAX_GROUP_ROWS:
@@ -202,19 +206,19 @@ def prepare_group(members, workspace=None):
             f"sparse_apply_group: the tables {[m[0].path for m in members]} have {total:,} "
             f"rows together, more than a group's {MAX_GROUP_ROWS:,}; update them in "
             "smaller groups.")
-    shifted, all_grads, finite = [], [], []
-    for (table, ids, grads), offset in zip(members, offsets):
-        grads = row_grads.as_float32(grads)
+    shifted, finite = [], []
+    for (table, record), offset in zip(members, offsets):
+        ids = record.ids
         # Validity is judged on the ids as given, before they are narrowed.
         valid = ops.logical_and(ops.greater_equal(ids, 0), ops.less(ids, table.shape[0]))
         local = ops.cast(ops.where(valid, ids, 0), "int32")
-        shifted.append(ops.where(valid, local + offset, total))  # invalid: in no table
-        all_grads.append(grads)
-        finite.append(row_grads.all_finite(grads))
-    distinct = backend.dedup(ops.concatenate(shifted, axis=0),
-                             row_grads.concatenate(all_grads), total, workspace)
-    sizes = [table.shape[0] if ids.shape[0] is None else min(ids.shape[0], table.shape[0])
-             for table, ids, _ in members]  # static bounds (JAX slices by them)
+        # Invalid: in no table.
+        shifted.append(RowGrads(ops.where(valid, local + offset, total),
+                                record.grads).as_float32())
+        finite.append(shifted[-1].all_finite())
+    distinct = backend.dedup(RowGrads.concatenate(shifted), total, workspace)
+    sizes = [table.shape[0] if r.ids.shape[0] is None else min(r.ids.shape[0], table.shape[0])
+             for table, r in members]  # static bounds (JAX slices by them)
     return PreparedGroup(distinct, finite, offsets + [total], sizes)
 
 
@@ -233,17 +237,16 @@ def finish_group(updater, members, prepared, values, step, roundings=None, facto
     Returns:
         A list of boolean scalar tensors: whether each member's update was applied.
     """
-    uniq, summed, _ = prepared.distinct
-    finite = prepared.finite
+    distinct, finite = prepared.distinct, prepared.finite
     if factor is not None:
-        summed = summed * factor
+        distinct = distinct.scaled(factor)
         finite = [ops.logical_and(ok, ops.isfinite(factor)) for ok in finite]
     # Each table's distinct ids, in its own rows, as its own dedup result.
-    parts = backend.split_by_table(uniq, summed, prepared.offsets, prepared.sizes)
+    parts = backend.split_by_table(distinct, prepared.offsets, prepared.sizes)
     roundings = roundings or [precision.Rounding()] * len(members)
     for (table, slots), part, ok, rounding, own in zip(members, parts, finite, roundings,
                                                         values):
-        _update_distinct(updater, table, slots, *part, ok, own, step, rounding)
+        _update_distinct(updater, table, slots, part, ok, own, step, rounding)
     return finite
 
 
@@ -258,14 +261,13 @@ def as_computed(values):
 MAX_GROUP_ROWS = 2**30
 
 
-def _update_distinct(updater, table, slots, uniq, summed, count, finite, values, step,
-                     rounding):
-    """Gather, rule and scatter on `dedup`'s distinct ids (skipped where not `finite`).
+def _update_distinct(updater, table, slots, distinct, finite, values, step, rounding):
+    """Gather, rule and scatter on the `Distinct` rows (skipped where not `finite`).
 
     `values`: the step's hyperparameters (`sparse_apply`), which the rule reads.
     """
     learning_rate = values["learning_rate"]
-    if backend.fused_apply(updater, table, slots, uniq, summed, values, finite):
+    if backend.fused_apply(updater, table, slots, distinct, values, finite):
         return
     names = sorted(slots)
     index = precision.variable_indices(updater)  # each variable's own rounding bits
@@ -290,4 +292,4 @@ def _update_distinct(updater, table, slots, uniq, summed, count, finite, values,
                                                        index[n]))
 
     # Only the step's distinct rows: work follows them, not the batch.
-    backend.for_distinct_rows(update, [table] + [slots[n] for n in names], uniq, summed, count)
+    backend.for_distinct_rows(update, [table] + [slots[n] for n in names], distinct)

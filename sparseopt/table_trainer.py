@@ -14,11 +14,11 @@ import weakref
 import keras
 from keras import ops
 
-from sparseopt import backend, compat, precision, row_grads, updaters
+from sparseopt import backend, compat, precision, updaters
 from sparseopt.updaters import hyperparameters
 from sparseopt.distribution import layout_like
 from sparseopt.sparse_apply import (
-    MAX_GROUP_ROWS, as_computed, finish, finish_group, prepare, prepare_group)
+    MAX_GROUP_ROWS, as_computed, finish, finish_group, prepare, prepare_group, sparse_apply)
 
 
 class _Filled(keras.initializers.Initializer):
@@ -41,8 +41,8 @@ class TableTrainer:
     Args:
         table: the `[V, D]` Keras variable.
         updater: the `sparseopt.updaters.Updater` that trains it.
-        source: where its row gradients come from (`LookupRows` or
-            `SlicedRows`).
+        source: where its row gradients come from
+            (`sparseopt.ops.row_sources.LookupRows` or `SlicedRows`).
         owner: who assigned the updater, for messages (a layer, `optimizer_map`
             or a keras-rs `TableConfig`).
     """
@@ -163,26 +163,30 @@ class TableTrainer:
         """Working memory that is not state (never saved)."""
         return [self.workspace] if self.workspace is not None else []
 
-    def apply(self, ids, grads, iteration, learning_rate_scale=1.0):
-        """Applies the updater to the rows `ids` with their true gradients.
+    def apply(self, record, iteration, learning_rate_scale=1.0):
+        """Applies the updater to the rows of `record` with their true gradients.
 
         Args:
-            ids: int `[N]` ids, duplicates allowed (summed); ids outside
-                `[0, V)` are ignored.
-            grads: `[N, D]` unscaled gradient of each occurrence. If any is
-                not finite, nothing changes and the step is counted as skipped.
+            record: the step's `sparseopt.row_grads.RowGrads`: ids, duplicates
+                allowed (summed), ids outside `[0, V)` ignored, and their
+                unscaled gradients. If any is not finite, nothing changes
+                and the step is counted as skipped.
             iteration: the optimizer's 0-based step count (scalar tensor).
             learning_rate_scale: as for `values_at`.
         """
-        self.finish(self.prepare(ids, grads), iteration, learning_rate_scale)
+        values = self.values_at(iteration, learning_rate_scale)
+        applied = sparse_apply(self.updater, self.table, self.slots, record,
+                               values["learning_rate"], iteration + 1, self.workspace,
+                               self.rounding, values)
+        self.count_skipped(applied)
 
-    def prepare(self, ids, grads):
+    def prepare(self, record):
         """The step's ids deduplicated and their gradients summed (`sparse_apply.Prepared`).
 
         Args:
-            ids, grads: as for `apply`.
+            record: as for `apply`.
         """
-        return prepare(self.table, ids, grads, self.workspace)
+        return prepare(self.table, record, self.workspace)
 
     def finish(self, prepared, iteration, learning_rate_scale=1.0, factor=None):
         """Applies the updater to a `prepare`d step, counting it if skipped.
@@ -196,6 +200,10 @@ class TableTrainer:
         values = self.values_at(iteration, learning_rate_scale)
         applied = finish(self.updater, self.table, self.slots, prepared, values, iteration + 1,
                          self.workspace, self.rounding, factor)
+        self.count_skipped(applied)
+
+    def count_skipped(self, applied):
+        """Counts the step as skipped unless `applied` (a boolean scalar tensor)."""
         self.skipped.assign_add(1 - ops.cast(applied, "int32"))
 
     def catch_up(self, steps_done, learning_rate_scale=1.0):
@@ -324,7 +332,7 @@ class TableGroup:
         """Applies the shared updater to each member looked up in this step.
 
         Args:
-            rows: list of `(trainer, ids, grads)`, as for `TableTrainer.apply`.
+            rows: list of `(trainer, record)`, as for `TableTrainer.apply`.
             iteration: the optimizer's 0-based step count.
             learning_rate_scale: as for `TableTrainer.values_at`.
         """
@@ -336,9 +344,8 @@ class TableGroup:
         Args:
             rows: as for `apply`.
         """
-        prepared = prepare_group([(t.table, ids, grads) for t, ids, grads in rows],
-                                 self.workspace)
-        prepared.trainers = [t for t, _, _ in rows]
+        prepared = prepare_group([(t.table, record) for t, record in rows], self.workspace)
+        prepared.trainers = [t for t, _ in rows]
         return prepared
 
     def finish(self, prepared, iteration, learning_rate_scale=1.0, factor=None):
@@ -355,7 +362,7 @@ class TableGroup:
         applied = finish_group(self.updater, [(t.table, t.slots) for t in trainers], prepared,
                                values, iteration + 1, [t.rounding for t in trainers], factor)
         for trainer, ok in zip(trainers, applied):
-            trainer.skipped.assign_add(1 - ops.cast(ok, "int32"))
+            trainer.count_skipped(ok)
 
 
 def group_trainers(trainers):
@@ -385,88 +392,3 @@ def group_trainers(trainers):
             else:
                 alone += chunk
     return groups, alone
-
-
-class LookupRows:
-    """Row gradients recorded by a `sparseopt.ops.SparseLookup` (JAX, and TF layers).
-
-    The lookup's backward pass records `(ids, row_grads)`, as scaled as the
-    loss was; its probe gets a gradient that Keras' loss-scale check sees
-    (NaN when the rows' is not finite).
-    """
-
-    def __init__(self, lookup):
-        self.lookup = lookup
-
-    @property
-    def watched(self):
-        """The variables whose gradients this source reads: the probe."""
-        return [self.lookup.probe]
-
-    def row_gradients(self, grads, table_name):
-        """`(ids, grads)` of this step, or None if the table was not looked up.
-
-        Args:
-            grads: `{id(variable): gradient}` of the watched variables.
-            table_name: for messages.
-        """
-        calls, ids, rows = self.lookup.take_row_gradients()
-        marker = grads.get(id(self.lookup.probe))
-        if ids is None:
-            return None  # not looked up (or not differentiated) in this step
-        if marker is None:
-            raise ValueError(
-                f"DispatchOptimizer: table '{table_name}' was looked up but "
-                f"its probe '{self.lookup.probe.path}' got no gradient; pass all of the model's "
-                "trainable variables (`model.trainable_variables`) to `apply`."
-            )
-        # The probe's gradient is 1 per call whose backward ran (NaN if that call's
-        # row gradients were not finite); whatever scaled it (a wrapping
-        # LossScaleOptimizer unscales it) scaled the row gradients the other
-        # way round. (The wrapper's own scale cannot be read here: on JAX its
-        # variables are outside this optimizer's stateless scope.)
-        return ids, row_grads.scale(rows, ops.cast(marker, "float32") / float(calls))
-
-    def dropped_ids(self):
-        return int(ops.convert_to_numpy(self.lookup.num_dropped_ids.value))
-
-    def ids_per_step(self):
-        """The ids one step looks up (`SparseLookup.ids_per_step`), or None if unknown."""
-        return self.lookup.ids_per_step()
-
-
-class SlicedRows:
-    """Row gradients that arrive as the table's own sparse gradient (TF `IndexedSlices`)."""
-
-    def __init__(self, table):
-        self.table = table
-
-    @property
-    def watched(self):
-        return [self.table]
-
-    def row_gradients(self, grads, table_name):
-        grad = grads.get(id(self.table))
-        if grad is None:
-            return None
-        sliced = backend.gradient_slices(grad)
-        if sliced is None:
-            raise ValueError(
-                f"DispatchOptimizer: table '{table_name}' received a dense gradient; "
-                "something before the optimizer (e.g. LossScaleOptimizer's finiteness "
-                "check, or clipping in a custom train_step) densified it, which costs "
-                "the whole table every step. Use `DispatchOptimizer(..., "
-                "loss_scale_factor=...)` for loss scaling and pass the tape's "
-                "gradients to the optimizer unchanged."
-            )
-        return sliced[0], ops.cast(sliced[1], "float32")
-
-    def dropped_ids(self):
-        return 0  # keras-rs tables on TF: Keras' gather never sees invalid ids here
-
-    def ids_per_step(self):
-        raise ValueError(
-            f"DispatchOptimizer: gradient_accumulation_steps is not supported for the keras-rs "
-            f"table '{self.table.path}' on TensorFlow (its row gradients arrive from Keras' "
-            "gather, of unknown size when the optimizer is built). Train it on JAX, or "
-            "without accumulation (a larger batch).")

@@ -176,6 +176,7 @@ def _empty_sparse_apply(model, emb, jit):
     """The optimizer's sparse step on zero ids, eagerly or under `jax.jit`."""
     import jax
 
+    from sparseopt.row_grads import RowGrads
     from sparseopt.sparse_apply import sparse_apply
 
     table = model.optimizer.table_trainer(emb.embeddings)
@@ -184,7 +185,7 @@ def _empty_sparse_apply(model, emb, jit):
     def step(values):
         with keras.StatelessScope(state_mapping=list(zip(variables, values))) as scope:
             applied = sparse_apply(table.updater, emb.embeddings, table.slots,
-                                   ops.zeros((0,), "int32"), ops.zeros((0, WIDTH)),
+                                   RowGrads(ops.zeros((0,), "int32"), ops.zeros((0, WIDTH))),
                                    ops.convert_to_tensor(0.5), 1, workspace=table.workspace)
         return applied, [scope.get_current_value(v) for v in variables]
 

@@ -296,6 +296,7 @@ def test_backend_dedup_matches_numpy_unique_and_sum(stale, num_rows, xla, compil
     compiled by XLA (on TF, where its dynamic shapes once lost valid ids; and
     TF's dedup of few ids, which runs op by op, forced to its compiled form)."""
     from sparseopt import backend
+    from sparseopt.row_grads import RowGrads
 
     if keras.backend.backend() == "tensorflow" and compiled:
         from sparseopt.backend import tensorflow as tf_backend
@@ -311,7 +312,7 @@ def test_backend_dedup_matches_numpy_unique_and_sum(stale, num_rows, xla, compil
     space = workspace(num_rows + 8, stale)
 
     def run(i, g):
-        return backend.dedup(i, g, num_rows, space)
+        return backend.dedup(RowGrads(i, g), num_rows, space)
 
     if xla:
         import tensorflow as tf

@@ -66,14 +66,14 @@ import keras
 if keras.backend.backend() == "jax":
     from sparseopt.backend.jax import (  # noqa: F401
         PROBE_IS_WEIGHT, SPARSE_GRADIENTS, WORKSPACE, WORKSPACE_SINK, at_least_zero, bitcast, dedup,
-        fill_in_blocks, for_distinct_rows, fused_apply, gather, materialize, split_by_table,
+        fill_in_blocks, for_distinct_rows, fused_apply, gather, materialize, native_step, split_by_table,
         gather_from_resource, gradient_slices, has_int64, on_row_shards, outside_trace,
         read_pooled, read_rows, replica_strategy, all_replicas, replica_id, row_shards, run_if,
         scatter, sum_over_replicas, tap, trace_forward, trace_token, write_rows)
 elif keras.backend.backend() == "tensorflow":
     from sparseopt.backend.tensorflow import (  # noqa: F401
         PROBE_IS_WEIGHT, SPARSE_GRADIENTS, WORKSPACE, WORKSPACE_SINK, at_least_zero, bitcast, dedup,
-        fill_in_blocks, for_distinct_rows, fused_apply, gather, materialize, split_by_table,
+        fill_in_blocks, for_distinct_rows, fused_apply, gather, materialize, native_step, split_by_table,
         gather_from_resource, gradient_slices, has_int64, on_row_shards, outside_trace,
         read_pooled, read_rows, replica_strategy, all_replicas, replica_id, row_shards, run_if,
         scatter, sum_over_replicas, tap, trace_forward, trace_token, write_rows)

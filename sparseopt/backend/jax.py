@@ -1,7 +1,7 @@
 """JAX plumbing: a custom-VJP tap, sort-free dedup and in-place scatter.
 
 `jax.grad` cannot return a sparse gradient, so the lookup's backward pass
-records `(ids, row_grads)` on the side and the optimizer consumes them later
+records its `RowGrads` on the side and the optimizer consumes them later
 in the same trace. Under Keras' jitted, state-donating train step the scatter
 below updates the donated table buffer in place.
 """
@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparseopt import compat, row_grads
+from sparseopt import compat
+from sparseopt.row_grads import Distinct, RowGrads
 
 
 def tap(rows, probe, ids, on_backward, aux=None):
@@ -47,8 +48,8 @@ WORKSPACE = True
 WORKSPACE_SINK = 0  # extra entries (invalid ids are dropped by the scatter)
 
 
-def dedup(ids, grads, num_rows, workspace):
-    """Returns `(unique_ids, summed_grads, count)`, the distinct ids first.
+def dedup(record, num_rows, workspace):
+    """The `Distinct` rows of `record`: the `count` distinct ids first.
 
     No sort: every occurrence writes its position into `workspace[id]`; the
     write that lands is one of that id's positions, so reading
@@ -68,13 +69,12 @@ def dedup(ids, grads, num_rows, workspace):
     drops.
 
     Args:
-        ids: int `[N]` ids; ids outside `[0, num_rows)` are ignored.
-        grads: `[N, D]` gradient of each occurrence (or `BagGrads`).
+        record: the `RowGrads` (ids outside `[0, num_rows)` are ignored).
         num_rows: the table's row count.
         workspace: int32 Keras variable with at least `num_rows` entries.
     """
-    n = ids.shape[0]
-    ids = ids.astype(jnp.int32)
+    n = record.ids.shape[0]
+    ids = record.ids.astype(jnp.int32)
     position = jnp.arange(n, dtype=jnp.int32)
     valid = (ids >= 0) & (ids < num_rows)
     space = workspace.value
@@ -87,10 +87,9 @@ def dedup(ids, grads, num_rows, workspace):
     size = min(n, num_rows)
     segment = jnp.where(valid, jnp.take(slot, representative, mode="clip"), size)
     # Bag gradients are expanded here, inside the sum that consumes them.
-    summed = jax.ops.segment_sum(row_grads.rows_of(grads), segment,
-                                 num_segments=size)  # drops `size`
+    summed = jax.ops.segment_sum(record.rows(), segment, num_segments=size)  # drops `size`
     uniq = padding_ids(num_rows, size).at[jnp.where(is_first, slot, size)].set(ids, mode="drop")
-    return uniq, summed, count
+    return Distinct(uniq, summed, count)
 
 
 # Distinct rows handled per pass: gather, rule and scatter work on
@@ -99,15 +98,16 @@ def dedup(ids, grads, num_rows, workspace):
 DISTINCT_CHUNK = 8192
 
 
-def for_distinct_rows(update, variables, uniq, summed, count):
-    """Runs `update(variables, ids, grads)` on the first `count` entries only.
+def for_distinct_rows(update, variables, distinct):
+    """Runs `update(variables, ids, grads)` on the `distinct.count` first entries only.
 
-    `uniq` / `summed` come from `dedup`: `count` distinct ids first. They
+    `distinct` comes from `dedup`: `count` distinct ids first. They
     are taken `DISTINCT_CHUNK` at a time in a loop (one pass when they fit),
     so the work follows the step's distinct ids, with no bound that could
     lose one. `update` reads and writes `variables` (a list of objects with
     `value` and `assign`, the table first), which the loop carries.
     """
+    uniq, summed, count = distinct
     n, size = uniq.shape[0], DISTINCT_CHUNK
     num_rows = variables[0].shape[0]
     pad = -n % size  # to whole chunks, with more distinct padding ids
@@ -130,7 +130,7 @@ def for_distinct_rows(update, variables, uniq, summed, count):
         var.assign(value)
 
 
-def split_by_table(uniq, summed, offsets, sizes):
+def split_by_table(distinct, offsets, sizes):
     """Each table's part of a group's `dedup`, as that table's own `dedup` result.
 
     `uniq` holds the distinct shifted ids table by table (then padding ids
@@ -140,8 +140,9 @@ def split_by_table(uniq, summed, offsets, sizes):
     count with zero gradient, as `for_distinct_rows` takes them.
 
     Returns:
-        A list of `(ids, grads, count)`, one per table.
+        A list of `Distinct`, one per table.
     """
+    uniq, summed, _ = distinct
     bounds = jnp.searchsorted(uniq, jnp.asarray(offsets, uniq.dtype), side="left")
     parts = []
     for t, size in enumerate(sizes):
@@ -151,7 +152,7 @@ def split_by_table(uniq, summed, offsets, sizes):
         ids = jnp.where(mine, jnp.take(uniq, index, mode="clip") - offsets[t],
                         padding_ids(offsets[t + 1] - offsets[t], size))
         grads = jnp.where(mine[:, None], jnp.take(summed, index, axis=0, mode="clip"), 0.0)
-        parts.append((ids, grads, (stop - start).astype(jnp.int32)))
+        parts.append(Distinct(ids, grads, (stop - start).astype(jnp.int32)))
     return parts
 
 
@@ -200,8 +201,8 @@ def replica_strategy():
     return None
 
 
-def all_replicas(ids, grads):
-    return ids, grads
+def all_replicas(record):
+    return record
 
 
 def sum_over_replicas(value):
@@ -386,7 +387,7 @@ def route_capacity(num_ids, shards):
     return max(1, min(num_ids, math.ceil(ROUTE_CAPACITY * share + 4 * math.sqrt(share))))
 
 
-def on_row_shards(apply, shards, updater, table, slots, ids, grads, hyper, step,
+def on_row_shards(apply, shards, updater, table, slots, record, hyper, step,
                   workspace, rounding):
     """Runs `apply` on each row shard of `table`, with the ids that shard owns.
 
@@ -412,7 +413,7 @@ def on_row_shards(apply, shards, updater, table, slots, ids, grads, hyper, step,
     mesh, axis = shards
     n, rows = mesh.shape[axis], table.shape[0] // mesh.shape[axis]
     names = sorted(slots)
-    grads = row_grads.rows_of(grads)
+    ids, grads = record.ids, record.rows()
     batch_axis = _batch_axis(mesh, ids.shape[0])
     route = batch_axis is not None and n >= ROUTE_MIN_SHARDS
 
@@ -420,7 +421,7 @@ def on_row_shards(apply, shards, updater, table, slots, ids, grads, hyper, step,
         block, state, space = values
         block, space = _Shard(block), _Shard(space)
         state = {name: _Shard(v) for name, v in zip(names, state)}
-        applied = apply(updater, block, state, local_ids, local_grads, hyper, step,
+        applied = apply(updater, block, state, RowGrads(local_ids, local_grads), hyper, step,
                         space, rounding.at_offset(start))
         return (block.value, [state[k].value for k in names], space.value), applied
 
@@ -655,6 +656,11 @@ def trace_forward(model, batch):
         jax.eval_shape(lambda x: model(x, training=True), spec)
 
 
-def fused_apply(updater, table, slots, ids, grads, values, finite):
+def native_step(updater, table, slots, record, values, step, workspace, rounding):
+    """None: no native kernel replaces dedup, sums and writes on JAX (yet)."""
+    return None
+
+
+def fused_apply(updater, table, slots, distinct, values, finite):
     """XLA fuses gather, rule and scatter itself: there is no kernel to call."""
     return False

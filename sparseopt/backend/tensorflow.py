@@ -2,14 +2,15 @@
 
 The tap keeps the row gradients away from Keras' dense-gradient path (where
 `LossScaleOptimizer` and friends would turn `IndexedSlices` into a dense
-table) and hands them to the optimizer as `(ids, grads)`, i.e. the two halves
+table) and hands them to the optimizer as a `RowGrads`, i.e. the two halves
 of the lookup's `tf.IndexedSlices`.
 """
 
 import keras
 import tensorflow as tf
-from sparseopt import compat, row_grads
+from sparseopt import compat
 from sparseopt.backend import tensorflow_kernels
+from sparseopt.row_grads import BagGrads, Distinct, RowGrads
 
 
 def tap(rows, probe, ids, on_backward, aux=None):
@@ -46,8 +47,8 @@ WORKSPACE = True
 WORKSPACE_SINK = 1
 
 
-def dedup(ids, grads, num_rows, workspace):
-    """Returns `(unique_ids, summed_grads, count)` of the valid ids only.
+def dedup(record, num_rows, workspace):
+    """The `Distinct` rows of `record`'s valid ids only.
 
     Every occurrence writes its position into `workspace[id]`
     (`ResourceScatterUpdate`, in place) and reads it back
@@ -61,12 +62,12 @@ def dedup(ids, grads, num_rows, workspace):
     rows, measured).
 
     Args:
-        ids: int `[N]` ids; ids outside `[0, num_rows)` are ignored.
-        grads: `[N, D]` gradient of each occurrence (or `BagGrads`).
+        record: the `RowGrads` (ids outside `[0, num_rows)` are ignored).
         num_rows: the table's row count.
         workspace: int32 Keras variable with `num_rows + WORKSPACE_SINK` entries.
     """
-    ids = tf.cast(ids, tf.int64)
+    grads = record.grads
+    ids = tf.cast(record.ids, tf.int64)
     num_rows = tf.constant(num_rows, tf.int64)
     at = tf.where((ids >= 0) & (ids < num_rows), ids, num_rows)  # invalid: the sink
     space = local(workspace)
@@ -74,7 +75,7 @@ def dedup(ids, grads, num_rows, workspace):
     representative = tf.gather(space, at)
     # Few ids: op by op (an XLA compilation per shape costs more than it saves).
     few = ids.shape[0] is not None and ids.shape[0] < COMPILED_DEDUP_MIN_IDS
-    if isinstance(grads, row_grads.BagGrads):  # expanded inside the (compiled) sum
+    if isinstance(grads, BagGrads):  # expanded inside the (compiled) sum
         run = _dedup_bags if few else _compiled_dedup_bags
         uniq, summed, count = run(ids, representative, num_rows, grads.values, grads.bag,
                                   grads.weight)
@@ -86,9 +87,9 @@ def dedup(ids, grads, num_rows, workspace):
         # (and boolean_mask returned wrong rows, TF 2.21); dynamic_partition
         # selects correctly in both modes.
         first = tf.cast(tf.range(tf.shape(summed)[0]) < count, tf.int32)
-        return (tf.dynamic_partition(uniq[:-1], first, 2)[1],
-                tf.dynamic_partition(summed, first, 2)[1], count)
-    return uniq[:count], summed[:count], count
+        return Distinct(tf.dynamic_partition(uniq[:-1], first, 2)[1],
+                        tf.dynamic_partition(summed, first, 2)[1], count)
+    return Distinct(uniq[:count], summed[:count], count)
 
 
 # Dedups of fewer ids than this (known when traced) run op by op.
@@ -129,23 +130,24 @@ _compiled_dedup_rows, _compiled_dedup_bags = (
     for f in (_dedup_rows, _dedup_bags))
 
 
-def for_distinct_rows(update, variables, uniq, summed, count):
-    """`update(variables, uniq, summed)`: `dedup`'s result is exactly the distinct ids."""
-    update(variables, uniq, summed)
+def for_distinct_rows(update, variables, distinct):
+    """`update(variables, ids, grads)`: `dedup`'s result is exactly the distinct ids."""
+    update(variables, distinct.ids, distinct.grads)
 
 
-def split_by_table(uniq, summed, offsets, sizes):
-    """Each table's part of a group's `dedup`: `[(ids, grads, count), ...]`.
+def split_by_table(distinct, offsets, sizes):
+    """Each table's part of a group's `dedup`: a list of `Distinct`.
 
     One `dynamic_partition` by table (which, unlike slicing at computed
     bounds, also compiles inside an XLA cluster).
     """
+    uniq = distinct.ids
     starts = tf.constant(offsets[:-1], uniq.dtype)
     table = tf.searchsorted(starts[1:], uniq, side="right")
     local = uniq - tf.gather(starts, table)
     ids = tf.dynamic_partition(local, table, len(sizes))
-    grads = tf.dynamic_partition(summed, table, len(sizes))
-    return [(i, g, tf.size(i)) for i, g in zip(ids, grads)]
+    grads = tf.dynamic_partition(distinct.grads, table, len(sizes))
+    return [Distinct(i, g, tf.size(i)) for i, g in zip(ids, grads)]
 
 
 def materialize(values):
@@ -188,11 +190,11 @@ def replica_strategy():
     return type(strategy).__name__, count, isinstance(strategy, tf.distribute.MirroredStrategy)
 
 
-def all_replicas(ids, grads):
-    """The `(ids, grads)` of every replica of the step, in replica order.
+def all_replicas(record):
+    """The `RowGrads` of every replica of the step, in replica order.
 
     Inside a replica of a strategy with several replicas, each replica's
-    `(ids, row gradients)` are gathered (`ReplicaContext.all_gather`: ids and
+    ids and row gradients are gathered (`ReplicaContext.all_gather`: ids and
     rows, never a table-sized gradient), so that every replica applies the
     same summed update to its own copy of the table. Elsewhere: unchanged.
     Keras divides each replica's loss by the number of replicas, so the
@@ -200,17 +202,17 @@ def all_replicas(ids, grads):
     """
     context = _replica_context()
     if context is None:
-        return ids, grads
-    ids = context.all_gather(ids, axis=0)
-    if isinstance(grads, row_grads.BagGrads):
+        return record
+    ids, grads = context.all_gather(record.ids, axis=0), record.grads
+    if isinstance(grads, BagGrads):
         # Bag numbers are per replica: shift them past the earlier replicas' bags.
         bags = tf.shape(grads.values, out_type=grads.bag.dtype)[:1]
         counts = context.all_gather(bags, axis=0)
         offset = tf.reduce_sum(counts[:context.replica_id_in_sync_group])
-        return ids, row_grads.BagGrads(context.all_gather(grads.values, axis=0),
-                                       context.all_gather(grads.bag + offset, axis=0),
-                                       context.all_gather(grads.weight, axis=0))
-    return ids, context.all_gather(grads, axis=0)
+        return RowGrads(ids, BagGrads(context.all_gather(grads.values, axis=0),
+                                      context.all_gather(grads.bag + offset, axis=0),
+                                      context.all_gather(grads.weight, axis=0)), record.calls)
+    return RowGrads(ids, context.all_gather(grads, axis=0), record.calls)
 
 
 def outside_trace():
@@ -377,15 +379,19 @@ def at_least_zero(value, message):
 trace_forward = None
 
 
-def fused_apply(updater, table, slots, ids, grads, values, finite):
+def native_step(updater, table, slots, record, values, step, workspace, rounding):
+    """None: no native kernel replaces dedup, sums and writes on TensorFlow (yet)."""
+    return None
+
+
+def fused_apply(updater, table, slots, distinct, values, finite):
     """Applies `updater` with TensorFlow's own sparse-apply kernel, if one fits.
 
     Args:
         updater: the `Updater`.
         table: the Keras table variable.
         slots: dict slot name -> Keras state variable.
-        ids: unique valid row ids.
-        grads: their summed gradients.
+        distinct: the `Distinct` rows (unique valid ids, summed gradients).
         values: `{name: scalar tensor}`, the step's hyperparameters (with
             `learning_rate`).
         finite: boolean scalar; the kernel runs only when it is true.
@@ -405,11 +411,11 @@ def fused_apply(updater, table, slots, ids, grads, values, finite):
         return False
     var = local(table)
     handles = {name: local(slot).handle for name, slot in slots.items()}
-    grads = tf.cast(grads, var.dtype)
+    grads = tf.cast(distinct.grads, var.dtype)
     values = {name: tf.cast(value, var.dtype) for name, value in values.items()}
 
     def run():
-        kernel(updater, var.handle, handles, ids, grads, values)
+        kernel(updater, var.handle, handles, distinct.ids, grads, values)
         return tf.constant(True)
 
     tf.cond(finite, run, lambda: tf.constant(False))

@@ -7,7 +7,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from sparseopt import backend, compat, row_grads
+from sparseopt import backend, compat
+from sparseopt.row_grads import BagGrads, RowGrads
 
 
 class SparseLookup:
@@ -84,7 +85,7 @@ class SparseLookup:
         # and a lookup must not keep a deleted model's layer alive.
         self._layer = weakref.ref(layer)
         # Per replica (TF MirroredStrategy traces its replicas into one graph):
-        self._records = {}  # replica -> [(trace, ids, row_grads)] from backward passes
+        self._records = {}  # replica -> [(trace, RowGrads)] from backward passes
         self._dropped = {}  # replica -> records a forward pass of another trace discarded
         self._sizes = {}  # replica -> (trace, static id count of each call in it)
         table._sparseopt_lookup = self
@@ -96,13 +97,13 @@ class SparseLookup:
         return self._layer()
 
     def take_row_gradients(self):
-        """The `(ids, row_grads)` recorded since the last call, and forgets them.
+        """The row gradients recorded since the last call, and forgets them.
 
         Returns:
-            `(calls, ids, grads)`: how many calls' backward passes ran, and
-            their `[N]` ids and row gradients (`None` if none): a `[N, width]`
-            array, or `sparseopt.row_grads.BagGrads` where every call was
-            pooled.
+            A `sparseopt.row_grads.RowGrads` of every call whose backward pass
+            ran (their ids one after another; `calls` counts them), with
+            float32 gradients as scaled as the loss was (`BagGrads` where
+            every call was pooled); None if none ran.
 
         Raises:
             ValueError: no row gradients reached this point, but some were
@@ -122,10 +123,8 @@ class SparseLookup:
                 "without calling the model in another function in between."
             )
         if not records:
-            return 0, None, None
-        ids = ops.concatenate([r[1] for r in records], axis=0)
-        grads = row_grads.concatenate([row_grads.as_float32(r[2]) for r in records])
-        return len(records), ids, grads
+            return None
+        return RowGrads.concatenate([record.as_float32() for _, record in records])
 
     def _forget_other_traces(self, ids):
         # Row gradients recorded in another trace were never applied (e.g.
@@ -153,7 +152,7 @@ class SparseLookup:
         """The rows of each bag of ids (the last axis), summed or averaged.
 
         Same as reducing `self(ids)` over its id axis, but the backward pass
-        records one gradient per bag (`row_grads.BagGrads`) instead of one
+        records one gradient per bag (`sparseopt.row_grads.BagGrads`) instead of one
         per id, and the dedup reads it from there: the `[ids, width]`
         gradient is never built. (A table placed by a `keras.distribution`
         is read id by id, as `self(ids)`, then reduced.)
@@ -221,7 +220,7 @@ class SparseLookup:
 
     def _on_backward(self, ids, grads, aux=None):
         width = self.table.shape[1]
-        self._record(grads, ops.reshape(ids, (-1,)), ops.reshape(grads, (-1, width)))
+        self._record(grads, RowGrads(ops.reshape(ids, (-1,)), ops.reshape(grads, (-1, width))))
 
     def _on_backward_pooled(self, ids, grads, weight):
         values = ops.reshape(grads, (-1, self.table.shape[1]))
@@ -229,11 +228,11 @@ class SparseLookup:
         n, bags = ops.shape(ids)[0], ops.shape(values)[0]
         per_bag = ops.maximum(ops.floor_divide(n, ops.maximum(bags, 1)), 1)
         bag = ops.floor_divide(ops.arange(n, dtype="int32"), ops.cast(per_bag, "int32"))
-        self._record(grads, ids, row_grads.BagGrads(values, bag, weight))
+        self._record(grads, RowGrads(ids, BagGrads(values, bag, weight)))
 
-    def _record(self, traced, ids, grads):
+    def _record(self, traced, record):
         self._records.setdefault(backend.replica_id(), []).append(
-            (backend.trace_token(traced), ids, grads))
+            (backend.trace_token(traced), record))
 
 
 def check_ids_dtype(ids, layer_name, table_path):
