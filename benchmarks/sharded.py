@@ -55,13 +55,13 @@ def child(args):
     import numpy as np
 
     import sparseopt
-    from sparseopt.backend import jax as jax_backend
+    from sparseopt.backend import jax_sharding
     from sparseopt.distribution import (bytes_per_device, collectives, compile_train_step,
                                         step_inputs)
 
     # Which way row-sharded updates take: "every" (every shard takes every id),
     # "routed" (each id to its owner, from 2 shards on, to show the crossover).
-    jax_backend.ROUTE_MIN_SHARDS = 2 if args.path == "routed" else 10**9
+    jax_sharding.ROUTE_MIN_SHARDS = 2 if args.path == "routed" else 10**9
     devices = jax.device_count()
     if devices > 1:
         keras.distribution.set_distribution(

@@ -1,18 +1,16 @@
 """`DispatchOptimizer`: dense variables to a Keras optimizer, tables to updaters."""
 
-import re
 import weakref
 
 import keras
 from keras import ops
 import numpy as np
 
-from sparseopt import accumulation, backend, checks, clipping, compat
+from sparseopt import accumulation, backend, checks, clipping, compat, routing
 from sparseopt.discovery import declared_tables
-from sparseopt.keras_rs_tables import read_by_gather, read_sparsely
+from sparseopt.keras_rs_tables import adapt
 from sparseopt.ops.row_sources import LookupRows, SlicedRows
 from sparseopt.table_trainer import TableTrainer, group_trainers
-from sparseopt.updaters import Updater
 
 
 @keras.saving.register_keras_serializable(package="sparseopt")
@@ -248,37 +246,6 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             self._dense_optimizers.append(optimizer)
             optimizer.loss_scale_factor = self.loss_scale_factor
 
-    def _assigned(self, var, found):
-        """`(optimizer or updater, who assigned it)` for `var`, or `(None, None)`.
-
-        `optimizer_map` first, then the variable's own `optimizer` attribute
-        (Keras PR #21196's per-variable optimizer), then what its layer
-        declares (`found`, from `sparseopt.discovery`).
-        """
-        target = self._lookup_map(var.path)
-        if target is not None:
-            return target, "optimizer_map"
-        own = getattr(var, "optimizer", None)
-        if own is not None:
-            owner = f"variable '{var.path}' (its `optimizer` attribute)"
-            checks.assigned(own, owner)
-            return own, owner
-        if found is not None:
-            checks.assigned(found.updater, found.owner)
-            return found.updater, found.owner
-        return None, None
-
-    def _lookup_map(self, path):
-        if path in self._optimizer_map:
-            return self._optimizer_map[path]
-        hits = [k for k in self._optimizer_map if re.fullmatch(k, path)]
-        if len(hits) > 1:
-            raise ValueError(
-                f"DispatchOptimizer: variable '{path}' matches several optimizer_map "
-                f"keys {hits}; make them exclusive."
-            )
-        return self._optimizer_map[hits[0]] if hits else None
-
     @property
     def loss_scaling_wrapper(self):
         """The `LossScaleOptimizer` that built this optimizer (wraps it), or None."""
@@ -310,39 +277,20 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         dense = {id(opt): [] for opt in self._dense_optimizers}
         self._route = {}
         self._installed = {}  # var key -> variable whose "gradient" is its new value
-        for var in var_list:
-            key = self._var_key(var)
-            lookup = getattr(var, "_sparseopt_lookup", None)
-            if getattr(var, "_sparseopt_probe_of", None) is not None:
-                continue  # watched by its table's trainer
-            if getattr(var, "overwrite_with_gradient", False):
-                # keras-rs SparseCore tables, slots and step counter: their
-                # lookup's backward pass computes the new values.
+        for route in routing.plan(var_list, declared, self._optimizer_map,
+                                  self._default_optimizer):
+            var, key = route.variable, self._var_key(route.variable)
+            if route.kind == routing.INSTALLED:
                 self._installed[key] = var
-                continue
-            found = declared.get(id(var))
-            target, owner = self._assigned(var, found)
-            if isinstance(target, Updater):
-                if lookup is None and found is not None and found.keras_rs_layer is not None:
-                    lookup = self._read_sparsely(found.keras_rs_layer, added, var)
-                    if lookup is None:  # TF: the gradient is already sparse
-                        self._add_trainer(TableTrainer(var, target, SlicedRows(var), owner))
-                        continue
-                checks.table(var, target, lookup, owner)
-                self._add_trainer(TableTrainer(var, target, LookupRows(lookup), owner))
-            elif lookup is not None:
-                raise ValueError(
-                    f"DispatchOptimizer: table '{var.path}' is read by a sparse lookup "
-                    "but has no sparse updater (its dense gradient is always zero). "
-                    "Declare one in the layer's `variable_path_to_optimizer_map` or "
-                    "pass `optimizer_map={'%s': sparseopt.updaters.Adagrad(...)}`."
-                    % var.path
-                )
-            else:
-                opt = target or self._default_optimizer
-                self._add_dense_optimizer(opt)
-                dense.setdefault(id(opt), []).append(var)
-                self._route[key] = opt
+            elif route.kind == routing.TABLE:
+                source = self._row_source(route, added)
+                if isinstance(source, LookupRows):  # (TF's sparse gradients need no lookup)
+                    checks.table(var, route.target, source.lookup, route.owner)
+                self._add_trainer(TableTrainer(var, route.target, source, route.owner))
+            elif route.kind == routing.DENSE:
+                self._add_dense_optimizer(route.target)
+                dense.setdefault(id(route.target), []).append(var)
+                self._route[key] = route.target
         if self._trainers:
             checks.dense_options(self._dense_optimizers, sorted(self.table_trainers))
             checks.replicas(sorted(self.table_trainers))
@@ -418,11 +366,9 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                     for t in self._trainers.values()}
 
         found = counts()
-        if None in found.values() and backend.trace_forward is not None and model is not None:
-            batch = compat.training_batch(self)
-            if batch is not None:
-                backend.trace_forward(model, batch)
-                found = counts()
+        if None in found.values() and model is not None:
+            backend.trace_forward(model, lambda: compat.training_batch(self))
+            found = counts()
         missing = [t.name for t in self._trainers.values() if found[id(t)] is None]
         if missing:
             raise ValueError(
@@ -439,21 +385,20 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         for var in trainer.source.watched:
             self._watched[self._var_key(var)] = trainer
 
-    def _read_sparsely(self, layer, added, var):
-        """A keras-rs fallback table: read it sparsely where needed (JAX).
+    def _row_source(self, route, added):
+        """Where the row gradients of a `TABLE` route's table come from.
 
-        Returns its `SparseLookup`, or None where the backend's gradient of
-        the dense lookup is already sparse (TF's `IndexedSlices`).
+        A keras-rs table read densely so far is adapted first
+        (`keras_rs_tables.adapt`); where that makes a new probe (JAX), it is
+        kept in `added`, `{id(table): probe}`.
         """
-        if backend.SPARSE_GRADIENTS:
-            # TF builds the optimizer while tracing the first step, after its
-            # forward pass; creating variables there makes tf.function trace
-            # the step again, and that trace reads sparsely.
-            read_by_gather(layer)
-            return None
-        lookup = read_sparsely(layer)
-        added[id(var)] = lookup.probe
-        return lookup
+        if route.lookup is not None or route.keras_rs_layer is None:
+            return LookupRows(route.lookup)
+        lookup = adapt(route.keras_rs_layer)
+        if lookup is None:  # TF: the gradient is already sparse
+            return SlicedRows(route.variable)
+        added[id(route.variable)] = lookup.probe
+        return LookupRows(lookup)
 
     # -- the tables ---------------------------------------------------------
 

@@ -149,7 +149,7 @@ def routed_rounds(parts, rows, shards):
         rows: the table's row count.
         shards: the number of row shards.
     """
-    from sparseopt.backend.jax import route_capacity
+    from sparseopt.backend.jax_sharding import route_capacity
 
     size = route_capacity(len(np.ravel(parts[0])), shards)
     per_shard = rows // shards

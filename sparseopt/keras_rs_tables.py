@@ -56,6 +56,25 @@ def default_device_tables(layers, wanted):
     return found
 
 
+def adapt(layer):
+    """Makes an `EmbedReduce`'s table trainable sparsely by `DispatchOptimizer`.
+
+    Args:
+        layer: the built `EmbedReduce`.
+
+    Returns:
+        Its `SparseLookup` (JAX, `read_sparsely`), or None where the
+        backend's gradient of a gather is already sparse (TF,
+        `read_by_gather`). TF builds the optimizer while tracing the first
+        step, after its forward pass; creating variables there makes
+        `tf.function` trace the step again, and that trace reads sparsely.
+    """
+    if backend.SPARSE_GRADIENTS:
+        read_by_gather(layer)
+        return None
+    return read_sparsely(layer)
+
+
 def read_sparsely(layer):
     """JAX: makes an `EmbedReduce` read its table through a `SparseLookup`.
 

@@ -193,3 +193,23 @@ def test_an_optimizer_built_before_fit_lets_tensorflow_trace_the_first_step_once
         return len(traced)
 
     assert (traces(True), traces(False)) == (1, 2)
+
+
+def test_each_backend_provides_the_whole_contract_and_nothing_is_a_none_stub():
+    """Both backend modules define every name of `backend.contract`, none None; the package
+    exposes the active one's (a module missing a name is refused: the control)."""
+    import importlib
+    import types
+
+    from sparseopt import backend
+    from sparseopt.backend.contract import CONTRACT
+
+    for name in ("jax", "tensorflow"):
+        module = importlib.import_module(f"sparseopt.backend.{name}")
+        assert backend.check(module) == [], name
+    active = importlib.import_module(f"sparseopt.backend.{keras.backend.backend()}")
+    assert all(getattr(backend, name) is getattr(active, name) for name in CONTRACT)
+    partial = types.SimpleNamespace(**{name: getattr(active, name) for name in CONTRACT})
+    partial.dedup, partial.trace_forward = None, None
+    del partial.tap
+    assert backend.check(partial) == ["tap", "dedup", "trace_forward"]

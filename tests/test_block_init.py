@@ -9,7 +9,7 @@ from sparseopt import backend
 from sparseopt.layers import block_init
 from tests.conftest import to_np
 
-pytestmark = pytest.mark.skipif(backend.fill_in_blocks is None,
+pytestmark = pytest.mark.skipif(not backend.FILLS_IN_BLOCKS,
                                 reason="TF draws tables whole (see block_init.py)")
 
 

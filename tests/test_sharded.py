@@ -229,7 +229,7 @@ def test_row_sharded_steps_move_each_id_and_row_gradient_once(runs, job, layout)
     partitioner (its ids, one `[ids, width]` sum of the looked-up rows): at
     most each id and row once each way. (XLA's partitioner alone moved
     2.6-3.8x this: new rows and state went back too.)"""
-    from sparseopt.backend.jax import route_capacity
+    from sparseopt.backend.jax_sharding import route_capacity
 
     report = _report(runs, layout)
     ids = {name: job.BATCH * n for name, n in job.IDS_PER_TABLE.items()}

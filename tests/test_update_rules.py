@@ -346,7 +346,7 @@ def test_several_steps_per_execution_apply_every_step():
                     reason="JAX's dedup pads its result with ids past the table; TF's returns "
                            "exactly the distinct valid ids (no padding to wrap)")
 def test_dedup_padding_never_wraps_to_a_real_row_near_int32_limit():
-    from sparseopt.backend.jax import padding_ids
+    from sparseopt.backend.jax_rows import padding_ids
 
     num_rows = 2**31 - 10  # padding ids num_rows + i would overflow int32
     # A workspace for 2**31 rows is 8 GB; the padding ids are all that

@@ -1,4 +1,7 @@
-"""JAX plumbing: a custom-VJP tap, sort-free dedup and in-place scatter.
+"""JAX plumbing: a custom-VJP tap, sort-free dedup, the distinct-rows loop.
+
+Rows are read and written by `jax_rows` (gather, in-place scatter, 16-bit
+bits); tables split by rows over devices by `jax_sharding`.
 
 `jax.grad` cannot return a sparse gradient, so the lookup's backward pass
 records its `RowGrads` on the side and the optimizer consumes them later
@@ -8,14 +11,15 @@ below updates the donated table buffer in place.
 
 import contextlib
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from sparseopt import compat
-from sparseopt.row_grads import Distinct, RowGrads
+from sparseopt.backend import jax_sharding
+from sparseopt.backend.jax_rows import (  # noqa: F401 (bitcast, gather, scatter: the contract)
+    Held, bitcast, distinct_padding, gather, gather_rows, padding_ids, scatter)
+from sparseopt.backend.jax_sharding import ROW_SHARDS, on_row_shards, row_shards  # noqa: F401
+from sparseopt.row_grads import Distinct
 
 
 def tap(rows, probe, ids, on_backward, aux=None):
@@ -111,7 +115,7 @@ def for_distinct_rows(update, variables, distinct):
     n, size = uniq.shape[0], DISTINCT_CHUNK
     num_rows = variables[0].shape[0]
     pad = -n % size  # to whole chunks, with more distinct padding ids
-    if n <= size or not _distinct_padding(num_rows, n + pad):
+    if n <= size or not distinct_padding(num_rows, n + pad):
         update(variables, uniq, summed)
         return
     uniq = jnp.concatenate([uniq, padding_ids(num_rows, n + pad)[n:]])
@@ -119,7 +123,7 @@ def for_distinct_rows(update, variables, distinct):
 
     def chunk(i, values):
         start = i * size
-        held = [_Shard(v) for v in values]
+        held = [Held(v) for v in values]
         update(held, jax.lax.dynamic_slice_in_dim(uniq, start, size),
                jax.lax.dynamic_slice_in_dim(summed, start, size))
         return [h.value for h in held]
@@ -164,23 +168,6 @@ def materialize(values):
     """
     return jax.lax.optimization_barrier(values)
 
-
-def padding_ids(num_rows, n):
-    """Out-of-range ids for the `n` non-row entries of `dedup`'s result.
-
-    Distinct (`num_rows + i`), so that the scatter can promise unique
-    indices, when they fit in int32. They must: a wrapped-around negative id
-    would be taken by `.at[]` as counting from the end, i.e. a real row. Near
-    2**31 rows every entry gets the single id `num_rows` instead, and the
-    scatter makes no uniqueness promise.
-    """
-    if _distinct_padding(num_rows, n):
-        return num_rows + jnp.arange(n, dtype=jnp.int32)
-    return jnp.full((n,), num_rows, jnp.int32)
-
-
-def _distinct_padding(num_rows, n):
-    return num_rows + n <= np.iinfo(np.int32).max
 
 
 # jax.grad of a gather is a dense array: tables are read through the tap.
@@ -229,18 +216,12 @@ def trace_token(value=None):
 def read_rows(table, ids):
     """Forward lookup of valid `ids` in a Keras variable (no gradient to it).
 
-    A table split by rows over a mesh axis that also splits the batch, from
-    `ROUTE_MIN_SHARDS` shards: each device asks each id's owner for its row
-    (`_routed_read`). Elsewhere a gather, which XLA's partitioner splits
-    (every shard reads its rows for every id; the results are summed).
+    From each id's owner where the table's rows are split over devices and
+    that pays (`jax_sharding.routed_read`); elsewhere a gather.
     """
     value = jax.lax.stop_gradient(table.value)
-    shards = row_shards(table)
-    if shards is not None and ids.ndim > 0:
-        mesh, axis = shards
-        if mesh.shape[axis] >= ROUTE_MIN_SHARDS and _batch_axis(mesh, ids.shape[0]) == axis:
-            return _routed_read(value, ids, mesh, axis)
-    return gather_rows(value, ids)
+    routed = jax_sharding.routed_read(table, value, ids)
+    return routed if routed is not None else gather_rows(value, ids)
 
 
 # Bags up to this many ids are summed in an unrolled sequence of gathers.
@@ -271,48 +252,14 @@ def read_pooled(table, ids, weight, dtype):
     return jax.lax.fori_loop(1, size, lambda i, acc: acc + position(i), position(0))
 
 
-gather_from_resource = None  # JAX reads tables through the tap (SparseLookup)
+def gather_from_resource(variable, ids):
+    """`variable[ids]`; its gradient is dense on JAX, which reads tables through the tap
+    (`SparseLookup`) instead."""
+    return gather_rows(variable.value, ids)
 
 
-def gather(value, ids):
-    return gather_rows(value, ids, mode="clip")
 
-
-def gather_rows(value, ids, mode=None):
-    """`value[ids]` (rows); 16-bit floats gathered as their bits (see `_as_bits`)."""
-    return _as_stored(jnp.take(_as_bits(value), ids, axis=0, mode=mode), value.dtype)
-
-
-def bitcast(values, dtype):
-    return jax.lax.bitcast_convert_type(values, dtype)
-
-
-def scatter(variable, ids, rows):
-    value = variable.value
-    unique = _distinct_padding(value.shape[0], ids.shape[0])
-    new = _as_bits(value).at[ids].set(_as_bits(rows.astype(value.dtype)), mode="drop",
-                                      unique_indices=unique)
-    variable.assign(_as_stored(new, value.dtype))
-
-
-# XLA:CPU has no bfloat16 scatter: it converts the whole table to float32 and
-# back around it, every step (2M x 8 rows: 22 ms and 64 MB, against 0.03 ms
-# in float32; float16 is native). Scattering the bits as uint16 halves that,
-# but the bitcast of the whole table is still a copy (5 ms, 32 MB): on CPU a
-# bfloat16 table costs one copy of itself per step (docs/semantics.md). GPUs
-# scatter bfloat16 natively, in place.
-def _bits_on_this_platform(dtype):
-    return dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
-
-
-def _as_bits(value):
-    if _bits_on_this_platform(value.dtype):
-        return jax.lax.bitcast_convert_type(value, jnp.uint16)
-    return value
-
-
-def _as_stored(bits, dtype):
-    return jax.lax.bitcast_convert_type(bits, dtype) if _bits_on_this_platform(dtype) else bits
+FILLS_IN_BLOCKS = True
 
 
 def fill_in_blocks(make_block, shape, dtype, block_rows):
@@ -332,278 +279,6 @@ def fill_in_blocks(make_block, shape, dtype, block_rows):
 def _put_rows(out, block, start):
     return jax.lax.dynamic_update_slice_in_dim(out, block.astype(out.dtype), start, axis=0)
 
-
-def row_shards(variable):
-    """`(mesh, axis)` if `variable`'s rows are split over one mesh axis.
-
-    None otherwise (one device, replicated, split by columns): then the
-    update is left to XLA's partitioner, which is also correct. (JAX places
-    arrays only in equal blocks, so the split is even.)
-    """
-    # A keras.distribution TensorLayout (the state is laid out like it).
-    sharding = getattr(compat.layout_of(variable), "backend_layout", None)
-    if not isinstance(sharding, jax.sharding.NamedSharding):
-        return None
-    spec = tuple(sharding.spec)
-    axis = spec[0] if spec else None
-    if not isinstance(axis, str) or any(s is not None for s in spec[1:]):
-        return None
-    return sharding.mesh, axis
-
-
-class _Shard:
-    """One device's block of a variable inside `shard_map`, used as the variable."""
-
-    def __init__(self, value):
-        self.value = value
-
-    @property
-    def shape(self):
-        return self.value.shape
-
-    @property
-    def dtype(self):
-        return self.value.dtype
-
-    def assign(self, value):
-        self.value = value
-
-
-# Owner routing: each id goes only to the shard that owns its row, in rounds
-# of fixed-size buckets (`route_capacity` entries from each device to each
-# shard). Each shard then dedups and updates about `ROUTE_CAPACITY` / n of the
-# global batch instead of all of it: cheaper once n > ROUTE_CAPACITY, i.e.
-# from 4 row shards (benchmarks/sharded.py counts it per device). Below that,
-# every shard takes every id.
-ROUTE_MIN_SHARDS = 4
-ROUTE_CAPACITY = 2.0
-
-
-def route_capacity(num_ids, shards):
-    """Bucket size for `num_ids` ids over `shards` owners: `ROUTE_CAPACITY` times
-    an even share, plus four standard deviations of a uniform draw (small
-    batches), at most `num_ids`."""
-    share = num_ids / shards
-    return max(1, min(num_ids, math.ceil(ROUTE_CAPACITY * share + 4 * math.sqrt(share))))
-
-
-def on_row_shards(apply, shards, updater, table, slots, record, hyper, step,
-                  workspace, rounding):
-    """Runs `apply` on each row shard of `table`, with the ids that shard owns.
-
-    Two ways, the same result (`ROUTE_MIN_SHARDS`):
-
-    - routed: where the batch is split over a mesh axis, each device sums its
-      own duplicates, then sends each distinct `(id, row gradient)` only to
-      the shard owning the row: an all-to-all of fixed-size buckets when rows
-      and batch are split over the same axis, else its own shard's ids
-      gathered over the batch axis. A step with more ids for one shard than
-      a bucket holds takes several rounds, split by id value so that all of
-      an id's gradients arrive in the same round: each row is still updated
-      once, with the sum of all its gradients;
-    - every shard receives all of the step's `(ids, grads)` (one all-gather
-      of the batch's rows, never of a table) and keeps its own.
-
-    Each shard updates its blocks of the table, its state and its dedup
-    workspace in place, on its ids as local row numbers. `hyper` (the step's
-    hyperparameters, `{name: scalar}`) goes to every shard whole. Ids no shard owns
-    (invalid) are dropped. Stochastic rounding keys its bits by global row
-    (`rounding.at_offset`).
-    """
-    mesh, axis = shards
-    n, rows = mesh.shape[axis], table.shape[0] // mesh.shape[axis]
-    names = sorted(slots)
-    ids, grads = record.ids, record.rows()
-    batch_axis = _batch_axis(mesh, ids.shape[0])
-    route = batch_axis is not None and n >= ROUTE_MIN_SHARDS
-
-    def update(values, local_ids, local_grads, hyper, step, start):
-        block, state, space = values
-        block, space = _Shard(block), _Shard(space)
-        state = {name: _Shard(v) for name, v in zip(names, state)}
-        applied = apply(updater, block, state, RowGrads(local_ids, local_grads), hyper, step,
-                        space, rounding.at_offset(start))
-        return (block.value, [state[k].value for k in names], space.value), applied
-
-    def local(block, state, space, ids, grads, hyper, step):
-        start = jax.lax.axis_index(axis) * rows
-        ids = ids.astype(jnp.int32)
-        values = (block, state, space)
-        if not route:
-            if batch_axis is not None:  # this device's part of the batch -> all of it
-                ids = jax.lax.all_gather(ids, batch_axis, tiled=True)
-                grads = jax.lax.all_gather(grads, batch_axis, tiled=True)
-            mine = (ids >= start) & (ids < start + rows)
-            values, applied = update(values, jnp.where(mine, ids - start, -1), grads,
-                                     hyper, step, start)
-        else:
-            values, applied = _routed(update, values, ids, grads, hyper, step, start,
-                                      mesh, axis, batch_axis, rows)
-        return (*values, applied)
-
-    split, whole = jax.sharding.PartitionSpec(axis), jax.sharding.PartitionSpec()
-    batch = jax.sharding.PartitionSpec(batch_axis) if batch_axis is not None else whole
-    new_table, new_state, new_space, applied = jax.shard_map(
-        local, mesh=mesh,
-        in_specs=(split, [split] * len(names), split, batch, batch, whole, whole),
-        out_specs=(split, [split] * len(names), split, whole), check_vma=False,
-    )(table.value, [slots[n].value for n in names], workspace.value, ids, grads,
-      hyper, step)
-    table.assign(new_table)
-    for name, value in zip(names, new_state):
-        slots[name].assign(value)
-    workspace.assign(new_space)
-    return applied
-
-
-def _batch_axis(mesh, num_ids):
-    """The mesh axis the active distribution splits batches over, if the step's
-    `num_ids` ids split evenly over it (then each device starts with its part)."""
-    import keras
-
-    name = getattr(keras.distribution.distribution(), "batch_dim_name", None)
-    if name not in mesh.axis_names or num_ids % mesh.shape[name]:
-        return None
-    return name
-
-
-_NO_ID = np.iinfo(np.int32).max  # sorts after every row; never sent
-
-
-def _owner_runs(keys, first_row, owners, rows):
-    """A device's distinct ids, ascending, and where each owner's run of them lies.
-
-    Args:
-        keys: int32 `[m]` ids, `_NO_ID` for those not to send.
-        first_row: the first row of the first owner.
-        owners: how many consecutive blocks of `rows` rows to split into.
-
-    Returns:
-        `(order, segment, distinct, begin, end)`: the stable sorting order of
-        `keys`, each sorted key's entry in `distinct` (`[m]`, padded with
-        `_NO_ID`), and each owner's run `[begin, end)` in `distinct`.
-    """
-    order = jnp.argsort(keys, stable=True)
-    ordered = keys[order]
-    first = jnp.concatenate([jnp.ones((1,), bool), ordered[1:] != ordered[:-1]])
-    segment = jnp.cumsum(first, dtype=jnp.int32) - 1
-    distinct = jnp.full(keys.shape, _NO_ID, jnp.int32).at[segment].set(ordered)
-    bounds = first_row + jnp.arange(owners + 1, dtype=jnp.int32) * rows
-    edge = jnp.searchsorted(distinct, bounds, side="left").astype(jnp.int32)
-    return order, segment, distinct, edge[:-1], edge[1:]
-
-
-def _routed(update, values, ids, grads, hyper, step, start, mesh, axis, batch_axis,
-            rows):
-    """The routed way of `on_row_shards`, inside `shard_map`: `(values, applied)`.
-
-    `batch_axis` (not None) splits the batch; `axis` splits the rows.
-    """
-    n = mesh.shape[axis]
-    same_axis = batch_axis == axis
-    owners = n if same_axis else 1  # the shards this device sends to
-    # This device's distinct ids (ascending: each owner's ids form one run)
-    # and the sum of each one's gradients, in order of occurrence.
-    valid = (ids >= 0) & (ids < n * rows)
-    if not same_axis:
-        valid &= (ids >= start) & (ids < start + rows)
-    order, segment, distinct, begin, end = _owner_runs(
-        jnp.where(valid, ids, _NO_ID), (0 if same_axis else start), owners, rows)
-    summed = jax.ops.segment_sum(grads[order].astype(jnp.float32), segment,
-                                 num_segments=ids.shape[0])
-    capacity = route_capacity(ids.shape[0], n)
-    # All of a step's gradients must be applied or none (a non-finite one skips it).
-    finite = jax.lax.pmin(jnp.all(jnp.isfinite(summed)).astype(jnp.int32),
-                          tuple(mesh.axis_names)) > 0
-    slot = jnp.arange(capacity, dtype=jnp.int32)
-
-    def round_(carry):
-        values, sent, applied, _ = carry
-        position = begin[:, None] + sent[:, None] + slot[None, :]  # [owners, capacity]
-        in_run = position < end[:, None]
-        candidate = jnp.where(in_run, jnp.take(distinct, position, mode="clip"), _NO_ID)
-        # This round takes, for each owner, the ids below the smallest "next
-        # id after a full bucket" over all senders: the same ids everywhere
-        # go in the same round, and no bucket overflows.
-        after = begin + sent + capacity
-        limit = jnp.where(after < end, jnp.take(distinct, after, mode="clip"), _NO_ID)
-        limit = jax.lax.pmin(limit, batch_axis)  # over the devices that send
-        take = in_run & (candidate < limit[:, None])
-        send_ids = jnp.where(take, candidate, -1)
-        send_grads = jnp.where(take[..., None], jnp.take(summed, position, axis=0, mode="clip"),
-                               0.0)
-        if same_axis:
-            got_ids = jax.lax.all_to_all(send_ids, axis, 0, 0)
-            got_grads = jax.lax.all_to_all(send_grads, axis, 0, 0)
-        else:
-            got_ids = jax.lax.all_gather(send_ids, batch_axis, tiled=True)
-            got_grads = jax.lax.all_gather(send_grads, batch_axis, tiled=True)
-        got_ids = got_ids.reshape(-1)
-        local = jnp.where(got_ids >= 0, got_ids - start, -1)
-        values, ok = update(values, local, got_grads.reshape(local.shape[0], -1),
-                            hyper, step, start)
-        sent = sent + jnp.sum(take, axis=1, dtype=jnp.int32)
-        more = jax.lax.pmax(jnp.any(begin + sent < end).astype(jnp.int32),
-                            tuple(mesh.axis_names)) > 0
-        return values, sent, applied & ok, more
-
-    def again(carry):
-        return carry[3]
-
-    sent = jnp.zeros((owners,), jnp.int32)
-    values, _, applied, _ = jax.lax.while_loop(
-        again, round_, (values, sent, finite, finite))
-    return values, applied
-
-
-def _routed_read(value, ids, mesh, axis):
-    """`value[ids]` where `value`'s rows and the batch are split over `axis`.
-
-    Each device takes its part of the batch, dedups its ids (sorted, so
-    each owner's ids form one run) and sends each owner at most
-    `route_capacity` of them per round (an all-to-all of `[n, capacity]`
-    ids); each owner gathers those rows from its block and sends them back
-    (an all-to-all of `[n, capacity, width]` rows). More ids for one owner
-    than a bucket holds take more rounds. Each device then spreads its
-    distinct rows back over its ids. Invalid ids read zeros.
-    """
-    n = mesh.shape[axis]
-    rows, width = value.shape[0] // n, value.shape[1]
-
-    def local(block, ids):
-        flat = ids.reshape(-1).astype(jnp.int32)
-        m = flat.shape[0]
-        start = jax.lax.axis_index(axis) * rows
-        order, segment, distinct, begin, end = _owner_runs(
-            jnp.where((flat >= 0) & (flat < n * rows), flat, _NO_ID), 0, n, rows)
-        which = jnp.zeros((m,), jnp.int32).at[order].set(segment)  # each id's distinct entry
-        capacity = route_capacity(m, n)
-        slot = jnp.arange(capacity, dtype=jnp.int32)
-
-        def round_(carry):
-            found, sent, _ = carry
-            position = begin[:, None] + sent[:, None] + slot[None, :]  # [owners, capacity]
-            take = position < end[:, None]
-            asked = jax.lax.all_to_all(
-                jnp.where(take, jnp.take(distinct, position, mode="clip"), -1), axis, 0, 0)
-            mine = gather_rows(block, jnp.where(asked >= 0, asked - start, 0).reshape(-1),
-                               mode="clip").reshape(n, capacity, width)
-            mine = jnp.where((asked >= 0)[..., None], mine, jnp.zeros((), block.dtype))
-            back = jax.lax.all_to_all(mine, axis, 0, 0)
-            found = found.at[jnp.where(take, position, m)].set(back, mode="drop")
-            sent = sent + jnp.sum(take, axis=1, dtype=jnp.int32)
-            more = jax.lax.pmax(jnp.any(begin + sent < end).astype(jnp.int32), axis) > 0
-            return found, sent, more
-
-        found = jnp.zeros((m, width), block.dtype)
-        found, _, _ = jax.lax.while_loop(
-            lambda carry: carry[2], round_,
-            (found, jnp.zeros((n,), jnp.int32), jnp.array(True)))
-        return found[which].reshape(ids.shape + (width,))
-
-    spec = jax.sharding.PartitionSpec(axis)
-    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec), out_specs=spec,
-                         check_vma=False)(value, ids)
 
 
 def run_if(pred, fn, variables):
@@ -642,14 +317,22 @@ def at_least_zero(value, message):
     return value
 
 
-def trace_forward(model, batch):
-    """Traces `model` on `batch`'s shapes without computing or changing anything.
+def trace_forward(model, find_batch):
+    """Traces `model` on a batch's shapes without computing or changing anything.
 
     What lets each `SparseLookup` see how many ids a step looks up before
     the train step is traced (gradient accumulation sizes its buffers by it).
+
+    Args:
+        model: the model being trained.
+        find_batch: returns a batch of its training data, or None (then
+            nothing is traced).
     """
     import keras
 
+    batch = find_batch()
+    if batch is None:
+        return
     x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
     spec = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape), a.dtype), x)
     with keras.StatelessScope():

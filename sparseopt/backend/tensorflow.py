@@ -37,8 +37,16 @@ def tap(rows, probe, ids, on_backward, aux=None):
 PROBE_IS_WEIGHT = True
 
 
-# TF copies an initial value into its variable anyway: tables are drawn whole.
-fill_in_blocks = None
+# TF copies an initial value into its variable anyway: tables are drawn whole
+# (`sparseopt.layers.block_init` leaves their initializers as they are).
+FILLS_IN_BLOCKS = False
+
+
+def fill_in_blocks(make_block, shape, dtype, block_rows):
+    """The blocks `make_block(i, block_shape)` of a `shape` array, joined (no in-place writes)."""
+    blocks = [make_block(i, (min(block_rows, shape[0] - start),) + tuple(shape[1:]))
+              for i, start in enumerate(range(0, shape[0], block_rows))]
+    return tf.cast(tf.concat(blocks, axis=0), dtype)
 
 # Dedup writes into a persistent int32 workspace, as on JAX (see
 # `sparseopt.backend.jax.dedup`), with one more entry that invalid ids write
@@ -169,11 +177,18 @@ def has_int64():
     return True
 
 
+# Tables are never split over devices on TF (replicas hold whole copies).
+ROW_SHARDS = False
+
+
 def row_shards(variable):
-    return None  # tables are never split over devices on TF (replicas hold whole copies)
+    return None
 
 
-on_row_shards = None
+def on_row_shards(apply, shards, updater, table, slots, record, values, step, workspace,
+                  rounding):
+    raise ValueError(f"Table '{table.path}': TensorFlow tables are never split by rows over "
+                     "devices (`row_shards` is None for every table here).")
 
 
 def replica_strategy():
@@ -374,9 +389,9 @@ def at_least_zero(value, message):
         return tf.identity(value)
 
 
-# TF builds the optimizer inside the traced step, after the forward pass:
-# every lookup has seen the step's shapes by then.
-trace_forward = None
+def trace_forward(model, find_batch):
+    """Nothing to do: TF builds the optimizer inside the traced step, after the forward
+    pass, so every lookup has seen the step's shapes by then."""
 
 
 def native_step(updater, table, slots, record, values, step, workspace, rounding):

@@ -35,7 +35,7 @@ def blockwise(initializer, block_rows=BLOCK_ROWS):
         initializer: a Keras initializer instance.
         block_rows: rows per block.
     """
-    if not isinstance(initializer, ELEMENTWISE) or backend.fill_in_blocks is None:
+    if not isinstance(initializer, ELEMENTWISE) or not backend.FILLS_IN_BLOCKS:
         return initializer
     return _Blockwise(initializer, block_rows)
 

@@ -1,0 +1,89 @@
+"""The backend contract: what each backend module provides, written once.
+
+`sparseopt.backend` loads the module of Keras' backend (`jax.py` or
+`tensorflow.py`), checks that it defines every name below (none of them
+None) and exposes those names, and only those. A capability one backend
+lacks is a flag (`SPARSE_GRADIENTS`, `FILLS_IN_BLOCKS`, `ROW_SHARDS`) beside
+a function that still does what its entry says where the flag is false.
+"""
+
+# name -> what it is. Functions unless the name is in capitals.
+CONTRACT = {
+    # The lookup.
+    "tap": "`tap(rows, probe, ids, on_backward, aux=None)`: identity on `rows`; its backward "
+           "pass hands the row cotangent to `on_backward(ids, grads, aux)` and gives `probe` "
+           "the cotangent 1 (NaN when the row cotangent is not finite).",
+    "PROBE_IS_WEIGHT": "whether the probe must be a weight of its layer for Keras' train step "
+                       "to differentiate it (TF), or can be layer state (JAX).",
+    "read_rows": "`read_rows(table, ids)`: the forward lookup, with no gradient to `table`.",
+    "read_pooled": "`read_pooled(table, ids, weight, dtype)`: the weighted sum of each bag's "
+                   "rows (the last id axis), in `dtype`.",
+    "SPARSE_GRADIENTS": "whether a gather's gradient is sparse (TF `IndexedSlices`).",
+    "gradient_slices": "`gradient_slices(grad)`: a sparse gradient's `(ids, row grads)`, "
+                       "None for a dense one.",
+    "gather_from_resource": "`gather_from_resource(variable, ids)`: a gather of a variable's "
+                            "rows whose gradient is sparse where `SPARSE_GRADIENTS`.",
+    # The step, from record to rows.
+    "native_step": "`native_step(updater, table, slots, record, values, step, workspace, "
+                   "rounding)`: the kernel seam before dedup: a native kernel that does dedup, "
+                   "sums and writes of a whole `RowGrads` itself returns whether it applied; "
+                   "None where there is none.",
+    "dedup": "`dedup(record, num_rows, workspace)`: the `Distinct` rows of a `RowGrads` "
+             "(gradients of equal ids summed, ids outside `[0, num_rows)` dropped, the `count` "
+             "distinct ids first).",
+    "WORKSPACE": "whether `dedup` needs `workspace`, a persistent int32 variable with one "
+                 "entry per row plus `WORKSPACE_SINK`.",
+    "WORKSPACE_SINK": "extra workspace entries (TF: one, where invalid ids write).",
+    "split_by_table": "`split_by_table(distinct, offsets, sizes)`: a group's `Distinct` (ids "
+                      "shifted by table `offsets`) cut into each table's own, in its rows "
+                      "(`sizes`: static bounds on each table's distinct ids).",
+    "for_distinct_rows": "`for_distinct_rows(update, variables, distinct)`: runs the "
+                         "gather-rule-scatter `update(variables, ids, grads)` on the `count` "
+                         "distinct entries only (JAX: in chunks of `DISTINCT_CHUNK`).",
+    "fused_apply": "`fused_apply(updater, table, slots, distinct, values, finite)`: applies the "
+                   "rule with the backend's own kernel where one computes exactly it (TF); "
+                   "False where there is none.",
+    "materialize": "`materialize(values)`: `values` computed before their consumer (keeps the "
+                   "rule out of XLA:CPU's scatter loop).",
+    "gather": "`gather(value, ids)`: touched rows of an array (ids clamped).",
+    "scatter": "`scatter(variable, ids, rows)`: rows written in place (ids past the end "
+               "dropped).",
+    "bitcast": "`bitcast(values, dtype)`: the same bits as another 32-bit dtype (float32 and "
+               "uint32, for stochastic rounding).",
+    # Tables split by rows over devices (JAX `keras.distribution`).
+    "ROW_SHARDS": "whether tables can be split by rows over devices.",
+    "row_shards": "`row_shards(variable)`: `(mesh, axis)` where its rows are split over one "
+                  "mesh axis, else None (always None where not `ROW_SHARDS`).",
+    "on_row_shards": "`on_row_shards(apply, shards, updater, table, slots, record, values, "
+                     "step, workspace, rounding)`: `apply` run on each shard with the ids it "
+                     "owns.",
+    # Replicas that each hold a copy (TF distribution strategies).
+    "replica_strategy": "`replica_strategy()`: `(name, replicas, supported)` of a strategy whose "
+                        "replicas each run their own copy of the step and hold their own copy "
+                        "of each table, or None.",
+    "all_replicas": "`all_replicas(record)`: every replica's `RowGrads` of the step, gathered "
+                    "(unchanged outside replicas).",
+    "sum_over_replicas": "`sum_over_replicas(value)`: a value summed over the replicas.",
+    "replica_id": "`replica_id()`: the replica being traced (0 outside replicas).",
+    # Traces and the loop.
+    "outside_trace": "`outside_trace()`: a context that runs its block outside any trace, even "
+                     "while a train step is being traced (TF builds optimizers there).",
+    "trace_token": "`trace_token(value=None)`: equal for everything traced into one function, "
+                   "None for eager code (or an eager `value`).",
+    "trace_forward": "`trace_forward(model, batch)`: makes lookups learn their ids per step "
+                     "before the train step is traced (JAX traces the model on the batch's "
+                     "shapes; TF has traced the forward pass already when it builds the "
+                     "optimizer).",
+    "has_int64": "`has_int64()`: whether int64 arrays exist (JAX: only with "
+                 "`jax_enable_x64`).",
+    "run_if": "`run_if(pred, fn, variables)`: runs `fn` (assigning some of `variables`) only "
+              "where `pred` holds, in place.",
+    "write_rows": "`write_rows(variable, start, rows)`: rows written at a (traced) offset.",
+    "at_least_zero": "`at_least_zero(value, message)`: a traced size checked when the step "
+                     "runs.",
+    # Building tables.
+    "FILLS_IN_BLOCKS": "whether `fill_in_blocks` writes blocks into one buffer in place "
+                       "(JAX); where not, it builds the blocks and joins them.",
+    "fill_in_blocks": "`fill_in_blocks(make_block, shape, dtype, block_rows)`: an array built "
+                      "block by block.",
+}
