@@ -26,12 +26,8 @@ import numpy as np
 from keras import ops
 
 from sparseopt import backend
+from sparseopt.dtypes import FLOAT_DTYPES, HALF_DTYPES, LARGEST, check_dtype  # noqa: F401
 
-# The dtypes a table or its state may be stored in.
-FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-HALF_DTYPES = ("bfloat16", "float16")
-# Their largest finite values: (2 - 2^-7) 2^127 and (2 - 2^-10) 2^15.
-LARGEST = {"bfloat16": 3.3895313892515355e38, "float16": 65504.0}
 
 _GOLDEN = 0x9E3779B9
 _M1, _M2 = 0x85EBCA6B, 0xC2B2AE35
@@ -143,18 +139,6 @@ def stochastic_round(values, dtype, bits):
     subnormal = (low + ops.cast(draw < fixed - low, "float32")) * 2.0**-24
     rounded = ops.where(magnitude >= 2.0**-14, normal, subnormal)
     return ops.where(values < 0, -rounded, rounded)
-
-
-def check_dtype(owner, name, dtype):
-    """`dtype` as a name from `FLOAT_DTYPES`, or a ValueError naming `owner` and `name`."""
-    try:
-        standard = _name(dtype)
-    except (TypeError, ValueError):
-        standard = None
-    if standard not in FLOAT_DTYPES:
-        raise ValueError(f"{owner}: `{name}` must be one of {list(FLOAT_DTYPES)}, "
-                         f"got {dtype!r}.")
-    return standard
 
 
 def _mix(x):

@@ -12,7 +12,7 @@ from keras import ops
 
 from sparseopt import backend, precision
 from sparseopt.row_grads import RowGrads
-from sparseopt.updaters import hyperparameters
+from sparseopt.updaters import hyperparameters, transforms
 
 
 def sparse_apply(updater, table, slots, record, learning_rate, step, workspace=None,
@@ -264,13 +264,19 @@ MAX_GROUP_ROWS = 2**30
 def _update_distinct(updater, table, slots, distinct, finite, values, step, rounding):
     """Gather, rule and scatter on the `Distinct` rows (skipped where not `finite`).
 
+    Whole slots (`"column"`, `"table"`) are updated first, once, from the
+    rule's contributions summed over every distinct row (`_update_whole`);
+    the row rule then reads their new values.
+
     `values`: the step's hyperparameters (`sparse_apply`), which the rule reads.
     """
     learning_rate = values["learning_rate"]
     if backend.fused_apply(updater, table, slots, distinct, values, finite):
         return
-    names = sorted(slots)
+    kinds = {spec.name: spec for spec in updater.slots}
+    names = sorted(n for n in slots if kinds[n].per_row)
     index = precision.variable_indices(updater)  # each variable's own rounding bits
+    whole = _update_whole(updater, table, slots, distinct, finite, values, step)
 
     def update(variables, uniq, summed):
         table, state_vars = variables[0], dict(zip(names, variables[1:]))
@@ -279,7 +285,8 @@ def _update_distinct(updater, table, slots, distinct, finite, values, step, roun
         # step where `lazy=False`) keeps its dtype.
         state = {n: as_computed(backend.gather(v.value, uniq)) for n, v in state_vars.items()}
         with hyperparameters.reading(updater, values):
-            new_rows, new_state = updater.apply_rule(rows, state, summed, learning_rate, step)
+            new_rows, new_state = updater.apply_rule(rows, {**state, **whole}, summed,
+                                                     learning_rate, step)
         # Skipping selects the old rows back (cheap: only touched rows)
         # instead of branching.
         new_rows = ops.where(finite, new_rows, rows)
@@ -293,3 +300,36 @@ def _update_distinct(updater, table, slots, distinct, finite, values, step, roun
 
     # Only the step's distinct rows: work follows them, not the batch.
     backend.for_distinct_rows(update, [table] + [slots[n] for n in names], distinct)
+
+
+def _update_whole(updater, table, slots, distinct, finite, values, step):
+    """Updates the whole slots once for the step; `{name: new value}` (float32).
+
+    Their contributions are summed over the distinct rows only (padding
+    entries add nothing), in as many chunks as the rows take.
+    """
+    specs = updater.whole_slots
+    if not specs:
+        return {}
+    old = {s.name: ops.cast(slots[s.name].value, "float32") for s in specs}
+    per_row = sorted(n for n in slots if n not in old)
+
+    def contributions(values_, uniq, summed):
+        rows = ops.cast(backend.gather(values_[0], uniq), "float32")
+        state = {n: as_computed(backend.gather(v, uniq)) for n, v in zip(per_row, values_[1:])}
+        with hyperparameters.reading(updater, values):
+            # The rows and gradients the rule will see (options applied first).
+            rows, grads = transforms.before_rule(updater.transforms, rows, summed,
+                                                 values["learning_rate"], step)
+            return updater.contributions(rows, {**state, **old}, grads, step)
+
+    sums = backend.sum_over_distinct_rows(
+        contributions, [table.value] + [slots[n].value for n in per_row], distinct)
+    with hyperparameters.reading(updater, values):
+        new = updater.update_whole(dict(old), sums, table.shape[0], step)
+    out = {}
+    for spec in specs:
+        value = ops.where(finite, ops.cast(new[spec.name], "float32"), old[spec.name])
+        slots[spec.name].assign(ops.cast(value, slots[spec.name].dtype))
+        out[spec.name] = value
+    return out

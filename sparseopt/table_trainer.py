@@ -81,13 +81,23 @@ class TableTrainer:
         table, prefix = self.table, self.table.path.replace("/", "_")
         self.rounding = precision.Rounding(self.updater.stochastic_rounding,
                                            self.updater.rounding_seed, index)
+        whole = [spec.name for spec in self.updater.whole_slots]
+        if whole and backend.row_shards(table) is not None:
+            raise ValueError(
+                f"DispatchOptimizer: table '{table.path}' is split by rows over devices, and "
+                f"its updater {type(self.updater).__name__} keeps whole-table state "
+                f"{whole}, which a row-sharded update does not support yet. Replicate the "
+                "table or split it by columns (`keras.distribution.LayoutMap`), or use a "
+                "rule whose state is per row.")
         for spec in self.updater.slots:
             shape = spec.shape(table.shape)
             self.slots[spec.name] = optimizer.add_variable(
                 shape=shape, initializer=_Filled(spec.initial_value),
-                dtype=spec.dtype or self.updater.state_dtype,
-                # Sharded like the table, so that updates stay local.
-                layout=layout_like(table, len(shape)), name=f"{prefix}_{spec.name}")
+                dtype=spec.dtype_for(self.updater.state_dtype),
+                # Per-row state is sharded like the table, so that updates stay
+                # local; whole state is replicated.
+                layout=layout_like(table, len(shape)) if spec.per_row else None,
+                name=f"{prefix}_{spec.name}")
         self.skipped = optimizer.add_variable(
             shape=(), dtype="int32", initializer="zeros", name=f"{prefix}_skipped_steps")
         if backend.WORKSPACE and workspace:

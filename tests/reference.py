@@ -1,4 +1,9 @@
-"""NumPy implementation of the update rules in docs/semantics.md, independent of sparseopt."""
+"""NumPy implementation of the update rules in docs/semantics.md.
+
+The formulas and the values state starts from are written here, independently of
+sparseopt; only which state a rule keeps (its slots' names and shapes) is read from
+the updater's declaration (`initial_state`).
+"""
 
 import numpy as np
 
@@ -85,6 +90,15 @@ def ftrl(w, state, g, lr, cfg, t):
     return w2, {"accumulator": n2, "linear": z2}
 
 
+# `{rule: {slot: (config key, default)}}`: the slots that do not start at zero.
+STARTS = {
+    "Adagrad": {"accumulator": ("initial_accumulator_value", 0.1)},
+    "RowwiseAdagrad": {"accumulator": ("initial_accumulator_value", 0.0)},
+    "Ftrl": {"accumulator": ("initial_accumulator_value", 0.1)},
+    "FrequencyAwareAdagrad": {"accumulator": ("initial_accumulator_value", 0.1)},
+    "AdagradMomentum": {"accumulator": ("initial_accumulator_value", 0.0)},
+}
+
 RULES = {"SGD": sgd, "Adagrad": adagrad, "RowwiseAdagrad": rowwise_adagrad, "Ftrl": ftrl,
          "Adam": adam, "PartialRowwiseAdam": partial_rowwise_adam,
          "AdagradMomentum": adagrad_momentum, "LaProp": laprop,
@@ -92,38 +106,23 @@ RULES = {"SGD": sgd, "Adagrad": adagrad, "RowwiseAdagrad": rowwise_adagrad, "Ftr
 
 
 def initial_state(name, shape, cfg):
-    state = _rule_state(name, shape, cfg)
-    if cfg.get("lazy") is False or cfg.get("ema_momentum") is not None:
-        state["last_step"] = np.zeros(shape[0], np.int64)  # the step that last updated a row
-    if cfg.get("ema_momentum") is not None:
-        state["ema_offset"] = np.zeros(shape)  # moving average minus row
+    """The state rule `name` starts from, for a table of `shape`.
+
+    Which state a rule keeps (each slot's name, kind and dtype, also the last
+    step and moving-average offset that `lazy=False` and `ema_momentum` add)
+    is what its updater declares (`SlotSpec`s); the values it starts from are
+    stated here, next to each formula (`STARTS`: zero elsewhere).
+    """
+    import sparseopt
+
+    updater = sparseopt.updaters.registry(shipped_only=True)[name](0.1, **cfg)
+    state = {}
+    for spec in updater.legacy_slots:  # unread slots too: the formulas read them
+        key, default = STARTS.get(name, {}).get(spec.name, (None, 0.0))
+        value = cfg.get(key, default) if key else default
+        dtype = np.int64 if "int" in (spec.dtype or "") else np.float64
+        state[spec.name] = np.full(spec.shape(shape), value, dtype)
     return state
-
-
-def _rule_state(name, shape, cfg):
-    rows = shape[0]
-    if name == "SGD":
-        return {"momentum": np.zeros(shape)} if cfg.get("momentum") else {}
-    if name == "Adam":
-        return {"momentum": np.zeros(shape), "velocity": np.zeros(shape)}
-    if name == "FrequencyAwareAdagrad":
-        return {"accumulator": np.full(shape, cfg.get("initial_accumulator_value", 0.1)),
-                "local_step": np.zeros(rows, np.int64)}
-    if name == "LaProp":
-        return {"mu": np.zeros(shape), "nu": np.zeros(shape)}
-    if name == "PartialRowwiseAdam":
-        return {"momentum": np.zeros(shape), "velocity": np.zeros((rows,))}
-    if name == "AdagradMomentum":
-        return {"accumulator": np.full(shape, cfg.get("initial_accumulator_value", 0.0)),
-                "momentum": np.zeros(shape)}
-    if name == "Adagrad":
-        return {"accumulator": np.full(shape, cfg.get("initial_accumulator_value", 0.1))}
-    if name == "RowwiseAdagrad":
-        return {"accumulator": np.full((rows,), cfg.get("initial_accumulator_value", 0.0))}
-    if name == "Ftrl":
-        return {"accumulator": np.full(shape, cfg.get("initial_accumulator_value", 0.1)),
-                "linear": np.zeros(shape)}
-    return {}
 
 
 def _decay(cfg, lr):

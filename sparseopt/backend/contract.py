@@ -40,6 +40,9 @@ CONTRACT = {
     "for_distinct_rows": "`for_distinct_rows(update, variables, distinct)`: runs the "
                          "gather-rule-scatter `update(variables, ids, grads)` on the `count` "
                          "distinct entries only (JAX: in chunks of `DISTINCT_CHUNK`).",
+    "sum_over_distinct_rows": "`sum_over_distinct_rows(contribute, values, distinct)`: "
+                              "`contribute(values, ids, grads)` (`{name: [U, ...]}`) summed "
+                              "over the `count` distinct entries only (whole slots' updates).",
     "fused_apply": "`fused_apply(updater, table, slots, distinct, values, finite)`: applies the "
                    "rule with the backend's own kernel where one computes exactly it (TF); "
                    "False where there is none.",

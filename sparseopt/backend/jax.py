@@ -134,6 +134,42 @@ def for_distinct_rows(update, variables, distinct):
         var.assign(value)
 
 
+def sum_over_distinct_rows(contribute, values, distinct):
+    """`contribute(values, ids, grads)` summed over the `distinct.count` first entries.
+
+    `contribute` returns `{name: [U, ...]}`, one contribution per entry; the
+    entries are taken in the chunks `for_distinct_rows` takes, and padding
+    entries (from `count` on, whose gathered rows are clamped real rows)
+    add nothing. `values`: arrays, the table's first.
+    """
+    uniq, summed, count = distinct
+    n, size = uniq.shape[0], DISTINCT_CHUNK
+    num_rows = values[0].shape[0]
+
+    def masked(parts, start, length):
+        keep = start + jnp.arange(length, dtype=jnp.int32) < count
+        return {k: jnp.sum(jnp.where(keep.reshape((-1,) + (1,) * (v.ndim - 1)), v, 0), axis=0)
+                for k, v in parts.items()}
+
+    pad = -n % size
+    if n <= size or not distinct_padding(num_rows, n + pad):
+        return masked(contribute(values, uniq, summed), 0, n)
+    uniq = jnp.concatenate([uniq, padding_ids(num_rows, n + pad)[n:]])
+    summed = jnp.pad(summed, ((0, pad), (0, 0)))
+
+    def chunk(i, total):
+        start = i * size
+        part = masked(contribute(values, jax.lax.dynamic_slice_in_dim(uniq, start, size),
+                                 jax.lax.dynamic_slice_in_dim(summed, start, size)),
+                      start, size)
+        return {k: total[k] + part[k] for k in total}
+
+    shapes = jax.eval_shape(lambda: masked(contribute(values, uniq[:size], summed[:size]),
+                                           0, size))
+    zeros = {k: jnp.zeros(v.shape, v.dtype) for k, v in shapes.items()}
+    return jax.lax.fori_loop(0, (count + size - 1) // size, chunk, zeros)
+
+
 def split_by_table(distinct, offsets, sizes):
     """Each table's part of a group's `dedup`, as that table's own `dedup` result.
 

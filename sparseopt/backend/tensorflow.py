@@ -143,6 +143,13 @@ def for_distinct_rows(update, variables, distinct):
     update(variables, distinct.ids, distinct.grads)
 
 
+def sum_over_distinct_rows(contribute, values, distinct):
+    """`contribute(values, ids, grads)` (`{name: [U, ...]}`) summed over the distinct
+    rows: `dedup`'s result is exactly those."""
+    parts = contribute(values, distinct.ids, distinct.grads)
+    return {k: tf.reduce_sum(v, axis=0) for k, v in parts.items()}
+
+
 def split_by_table(distinct, offsets, sizes):
     """Each table's part of a group's `dedup`: a list of `Distinct`.
 

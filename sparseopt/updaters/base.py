@@ -23,7 +23,7 @@ import weakref
 import keras
 from keras import ops
 
-from sparseopt import precision
+from sparseopt import dtypes
 from sparseopt.updaters import catch_up, hyperparameters
 from sparseopt.updaters.transforms import (
     OPTIONS, check_options, chain, transforms_from, value_at)
@@ -47,26 +47,71 @@ def registry(shipped_only=False):
     return dict(_REGISTRY)
 
 
+# What a slot holds, for a `[V, D]` table: its kind gives its shape, where
+# it lives under a distribution, how a step reads and writes it, and whether
+# it returns to its initial value with its row.
+ENTRY = "entry"  # [V, D], one per entry: gathered and scattered by row
+ROW = "row"  # [V], one per row: gathered and scattered by row
+COLUMN = "column"  # [D], one per column: read whole, updated once per step
+TABLE = "table"  # [], one per table: read whole, updated once per step
+KINDS = (ENTRY, ROW, COLUMN, TABLE)
+
+
 @dataclasses.dataclass(frozen=True)
 class SlotSpec:
     """One optimizer state slot of a table.
 
+    Per-row kinds (`"entry"`, `"row"`) are gathered at the step's distinct
+    rows, updated by the rule's `update` and scattered back in place, and
+    are laid out like the table's rows under a distribution. Whole kinds
+    (`"column"`, `"table"`) are read whole: a step first sums the rule's
+    per-row contributions (`Updater.contributions`) over all its distinct
+    rows, then updates them once (`Updater.update_whole`), and the row rule
+    reads their new value. They are replicated, never reset with a row, and
+    kept in float32 unless `dtype` says otherwise.
+
     Args:
         name: slot name, e.g. `"accumulator"`.
-        rowwise: `True` for one scalar per row (shape `[V]`), `False` for
-            the table's own shape `[V, D]`.
+        rowwise: `True` for one scalar per row (the same as `kind="row"`),
+            `False` for the kind given (by default one per entry).
         initial_value: constant the slot starts at.
         dtype: the slot's dtype; `None` (the default) for the updater's
-            `state_dtype` (float32 unless set).
+            `state_dtype` (float32 unless set) for per-row kinds, float32 for
+            whole kinds.
+        kind: `"entry"` (`[V, D]`, the default), `"row"` (`[V]`), `"column"`
+            (`[D]`) or `"table"` (a scalar).
     """
 
     name: str
     rowwise: bool = False
     initial_value: float = 0.0
-    dtype: str = None  # None: the updater's state_dtype
+    dtype: str = None  # None: the updater's state_dtype (per-row kinds), else float32
+    kind: str = None  # None: "row" if rowwise else "entry"
+
+    def __post_init__(self):
+        kind = self.kind or (ROW if self.rowwise else ENTRY)
+        if kind not in KINDS:
+            raise ValueError(f"SlotSpec '{self.name}': kind must be one of {KINDS}, got "
+                             f"{self.kind!r}.")
+        if self.rowwise and kind != ROW:
+            raise ValueError(f"SlotSpec '{self.name}': rowwise=True is kind='row', not "
+                             f"{kind!r}.")
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "rowwise", kind == ROW)
+
+    @property
+    def per_row(self):
+        """Whether the slot has one entry (or row of entries) per table row."""
+        return self.kind in (ENTRY, ROW)
 
     def shape(self, table_shape):
-        return (table_shape[0],) if self.rowwise else tuple(table_shape)
+        """The slot's shape for a table of shape `[V, D]`."""
+        return {ENTRY: tuple(table_shape), ROW: (table_shape[0],),
+                COLUMN: (table_shape[1],), TABLE: ()}[self.kind]
+
+    def dtype_for(self, state_dtype):
+        """The slot's dtype where the updater's `state_dtype` is given."""
+        return self.dtype or (state_dtype if self.per_row else "float32")
 
 
 # Where `lazy=False` or `ema_momentum`: the step that last updated each row (0: never).
@@ -204,7 +249,7 @@ class Updater:
             raise ValueError(f"{owner}: `ema_momentum` must be a number in "
                              f"[0, 1), got {ema_momentum!r}.")
         self.ema_momentum = None if ema_momentum is None else float(ema_momentum)
-        self.state_dtype = precision.check_dtype(owner, "state_dtype", state_dtype)
+        self.state_dtype = dtypes.check_dtype(owner, "state_dtype", state_dtype)
         if not isinstance(stochastic_rounding, bool):
             raise TypeError(f"{owner}: `stochastic_rounding` must be True or False, got "
                             f"{stochastic_rounding!r}.")
@@ -370,6 +415,12 @@ class Updater:
 
     def _check_settings(self):
         """Checks that need the whole updater (run once its `__init__` is done)."""
+        whole = [spec.name for spec in self.__dict__.get("_rule_slots", ()) if not spec.per_row]
+        if whole and self.tracks_rows:
+            raise ValueError(
+                f"{type(self).__name__}: `lazy=False` and `ema_momentum` are not supported "
+                f"with whole-table state {whole}: a row's missed steps would depend on "
+                "every other row's. Use the default lazy=True without ema_momentum.")
         if not self.lazy:
             catch_up.check(self)
         if self.ema_momentum is not None and not self.lazy:
@@ -454,15 +505,58 @@ class Updater:
 
         Args:
             rows: `[U, D]` current values of the touched rows.
-            state: dict slot name -> `[U, D]` or `[U]` state rows.
+            state: dict slot name -> `[U, D]` or `[U]` state rows; whole
+                slots (`"column"`, `"table"`) as `update_whole` left them
+                this step.
             grads: `[U, D]` summed gradient of each touched row.
             learning_rate: scalar tensor.
             step: scalar int tensor, 1-based count of this update.
 
         Returns:
-            `(new_rows, new_state)` with the same shapes.
+            `(new_rows, new_state)` with the same shapes (`new_state` holds
+            the per-row slots; whole slots in it are ignored).
         """
         raise NotImplementedError
+
+    def contributions(self, rows, state, grads, step):
+        """Each touched row's contribution to the sums the whole slots' update needs.
+
+        For rules with `"column"` or `"table"` slots. The machinery sums
+        them over every distinct row of the step (whatever chunks it is
+        processed in) and hands the sums to `update_whole`.
+
+        Args:
+            rows: `[U, D]` current values of the touched rows.
+            state: their per-row slots (`[U, D]` or `[U]`), and the whole
+                slots as they are before this step.
+            grads: `[U, D]` summed gradient of each touched row.
+            step: scalar int tensor, 1-based count of this update.
+
+        Returns:
+            `{name: [U, ...] array}`; `{}` (the default) where the rule keeps
+            no whole slot.
+        """
+        return {}
+
+    def update_whole(self, state, sums, num_rows, step):
+        """The whole slots' new values, once per step, before the row rule reads them.
+
+        Args:
+            state: `{name: value}` of the whole slots (`[D]` or scalars).
+            sums: `{name: array}`, `contributions` summed over the step's
+                distinct rows.
+            num_rows: the table's row count (for means over all rows).
+            step: scalar int tensor, 1-based count of this update.
+
+        Returns:
+            `{name: new value}` for every whole slot.
+        """
+        return {}
+
+    @property
+    def whole_slots(self):
+        """The `SlotSpec`s of kind `"column"` or `"table"`."""
+        return tuple(s for s in self.slots if not s.per_row)
 
     def get_config(self):
         options = {k: _serialized(v) for k, v in self.options.items()}

@@ -277,10 +277,16 @@ def transforms_from(options, read):
     return tuple(out)
 
 
-def chain(transforms, rule, rows, state, grads, learning_rate, step):
-    """Applies `rule` with `transforms` around it (before the rule, then after it, in order)."""
+def before_rule(transforms, rows, grads, learning_rate, step):
+    """`(rows, grads)` as the rule sees them: after every transform's `before_rule`."""
     for t in transforms:
         rows, grads = t.before_rule(rows, grads, learning_rate, step)
+    return rows, grads
+
+
+def chain(transforms, rule, rows, state, grads, learning_rate, step):
+    """Applies `rule` with `transforms` around it (before the rule, then after it, in order)."""
+    rows, grads = before_rule(transforms, rows, grads, learning_rate, step)
     new_rows, new_state = rule(rows, state, grads, learning_rate, step)
     for t in transforms:
         new_rows = t.after_rule(rows, new_rows, learning_rate, step)
