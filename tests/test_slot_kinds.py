@@ -120,3 +120,30 @@ def test_slot_kinds_give_their_shapes_and_whole_state_refuses_catch_up():
         ColumnScaledSGD(0.1, lazy=False)
     with pytest.raises(ValueError, match="whole-table state"):
         ColumnScaledSGD(0.1, ema_momentum=0.9)
+
+
+def test_a_slots_initial_value_is_declared_like_any_rule_parameter():
+    """`hyperparameter(..., state=False)`: checked, in the config, in the slot, never read
+    by the step nor changed once made (every shipped rule with an initial accumulator)."""
+    import inspect
+
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.5, 10, 0.9)
+    found = []
+    for name, cls in sparseopt.updaters.registry(shipped_only=True).items():
+        if "initial_accumulator_value" not in inspect.signature(cls).parameters:
+            continue
+        found.append(name)
+        updater = cls(0.1, initial_accumulator_value=0.25)
+        assert updater.get_config()["initial_accumulator_value"] == 0.25
+        again = cls.from_config(updater.get_config())
+        assert [s.initial_value for s in again.slots if s.name == "accumulator"] == [0.25]
+        assert "initial_accumulator_value" not in updater.hyperparameters
+        assert "initial_accumulator_value" not in updater.state_hyperparameters
+        with pytest.raises(ValueError, match="`initial_accumulator_value` must be"):
+            cls(0.1, initial_accumulator_value=-1.0)
+        with pytest.raises(TypeError, match="must be a float, got a schedule"):
+            cls(0.1, initial_accumulator_value=schedule)
+        with pytest.raises(ValueError, match="cannot change once the updater is made"):
+            updater.initial_accumulator_value = 0.5
+    assert sorted(found) == ["Adagrad", "AdagradMomentum", "FrequencyAwareAdagrad", "Ftrl",
+                             "RowwiseAdagrad"]

@@ -437,7 +437,7 @@ def fused_apply(updater, table, slots, distinct, values, finite):
     values = {name: tf.cast(value, var.dtype) for name, value in values.items()}
 
     def run():
-        kernel(updater, var.handle, handles, distinct.ids, grads, values)
+        kernel(var.handle, handles, distinct.ids, grads, values)
         return tf.constant(True)
 
     tf.cond(finite, run, lambda: tf.constant(False))

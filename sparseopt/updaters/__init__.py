@@ -11,7 +11,7 @@ import pkgutil
 from sparseopt.updaters.adagrad import Adagrad
 from sparseopt.updaters.adagrad_momentum import AdagradMomentum
 from sparseopt.updaters.adam import Adam
-from sparseopt.updaters.base import SlotSpec, Updater, registry
+from sparseopt.updaters.base import SlotSpec, SparseCoreSpec, Updater, registry
 from sparseopt.updaters.ftrl import Ftrl
 from sparseopt.updaters.keras_conversion import (
     from_keras_optimizer, from_sparsecore_spec, to_keras_optimizer, to_sparsecore_spec)
@@ -26,6 +26,6 @@ for _module in pkgutil.iter_modules(__path__):
 
 __all__ = ["Adagrad", "AdagradMomentum", "Adam", "FrequencyAwareAdagrad", "Ftrl", "LaProp",
            "PartialRowwiseAdam",
-           "RowwiseAdagrad", "SGD", "SlotSpec", "Updater",
+           "RowwiseAdagrad", "SGD", "SlotSpec", "SparseCoreSpec", "Updater",
            "from_keras_optimizer", "from_sparsecore_spec", "registry", "to_keras_optimizer",
            "to_sparsecore_spec"]

@@ -39,12 +39,8 @@ class Adagrad(Updater):
     def __init__(self, learning_rate=0.001, initial_accumulator_value=0.1,
                  epsilon=1e-7, name=None, **options):
         super().__init__(learning_rate, name=name, **options)
-        if initial_accumulator_value < 0:
-            raise ValueError(
-                "Adagrad: `initial_accumulator_value` must be >= 0, got "
-                f"{initial_accumulator_value}."
-            )
-        self.initial_accumulator_value = float(initial_accumulator_value)
+        self.hyperparameter("initial_accumulator_value", initial_accumulator_value,
+                            lambda v: v >= 0, ">= 0", state=False)
         # 0 selects TF's fused kernel (its form differs for other values).
         self.hyperparameter("epsilon", epsilon, lambda v: v >= 0, ">= 0",
                             fixed=lambda v: v == 0)
@@ -71,7 +67,3 @@ class Adagrad(Updater):
     def from_keras(cls, learning_rate, config, where=""):
         return cls(learning_rate, initial_accumulator_value=config["initial_accumulator_value"],
                    epsilon=config["epsilon"])
-
-    def get_config(self):
-        return {**super().get_config(),
-                "initial_accumulator_value": self.initial_accumulator_value}

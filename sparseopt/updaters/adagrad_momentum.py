@@ -4,7 +4,7 @@ import keras
 from keras import ops
 
 from sparseopt.updaters import catch_up
-from sparseopt.updaters.base import SlotSpec, Updater
+from sparseopt.updaters.base import SlotSpec, SparseCoreSpec, Updater
 
 
 @keras.saving.register_keras_serializable(package="sparseopt")
@@ -35,6 +35,12 @@ class AdagradMomentum(Updater):
         **options: options every updater takes (e.g. `clipvalue`).
     """
 
+    sparsecore_spec = SparseCoreSpec(
+        "AdagradMomentumOptimizerSpec",
+        {"momentum": "momentum", "use_nesterov": "use_nesterov", "exponent": "exponent",
+         "beta_2": "beta2", "epsilon": "epsilon",
+         "initial_accumulator_value": "initial_accumulator_value"},
+        {"initial_momentum_value": 0.0}, "the momentum slot starts at 0")
     test_configs = {
         "default": {"momentum": 0.9},
         "nesterov_beta2": {"momentum": 0.5, "use_nesterov": True, "beta_2": 0.9,
@@ -58,15 +64,13 @@ class AdagradMomentum(Updater):
                             fixed=lambda v: v == 1.0)
         self.hyperparameter("epsilon", epsilon, lambda v: v >= 0, ">= 0",
                             fixed=lambda v: v == 0)
-        if initial_accumulator_value < 0:
-            raise ValueError("AdagradMomentum: `initial_accumulator_value` must be >= 0, got "
-                             f"{initial_accumulator_value!r}.")
+        self.hyperparameter("initial_accumulator_value", initial_accumulator_value,
+                            lambda v: v >= 0, ">= 0", state=False)
         if initial_accumulator_value == 0 and self.epsilon == 0:
             raise ValueError("AdagradMomentum: `epsilon` and `initial_accumulator_value` are "
                              "both 0: a row's first zero gradient would divide by zero. Set "
                              "either above 0.")
         self.use_nesterov = bool(use_nesterov)
-        self.initial_accumulator_value = float(initial_accumulator_value)
         self.slots = (SlotSpec("accumulator", False, self.initial_accumulator_value),
                       SlotSpec("momentum"))
         # Without momentum the rule never reads `m` (it is this step's `s`).
@@ -104,5 +108,4 @@ class AdagradMomentum(Updater):
         return rows - learning_rate * direction, {"accumulator": a, "momentum": m}
 
     def get_config(self):
-        return {**super().get_config(), "use_nesterov": self.use_nesterov,
-                "initial_accumulator_value": self.initial_accumulator_value}
+        return {**super().get_config(), "use_nesterov": self.use_nesterov}

@@ -114,6 +114,26 @@ class SlotSpec:
         return self.dtype or (state_dtype if self.per_row else "float32")
 
 
+@dataclasses.dataclass(frozen=True)
+class SparseCoreSpec:
+    """A rule SparseCore has and Keras has not: its jax-tpu-embedding spec, field by field.
+
+    An updater class declares one as `sparsecore_spec` (a capability: not
+    inherited); `to_sparsecore_spec` / `from_sparsecore_spec` go through it.
+
+    Args:
+        spec: the jax-tpu-embedding `OptimizerSpec` class name.
+        fields: updater attribute -> spec field, both ways.
+        fixed: spec fields sparseopt cannot vary, with the only value it takes.
+        why: what `fixed` stands for, for the refusal.
+    """
+
+    spec: str
+    fields: dict
+    fixed: dict
+    why: str
+
+
 # Where `lazy=False` or `ema_momentum`: the step that last updated each row (0: never).
 LAST_STEP = SlotSpec(catch_up.LAST_STEP_SLOT, rowwise=True, initial_value=0, dtype="int32")
 # Where `ema_momentum`: the row's moving average minus the row, as of its last update.
@@ -185,7 +205,7 @@ class Updater:
     # Capabilities hold for the class that declares them only: a subclass may
     # change the rule, so it gets none it does not declare itself.
     _CAPABILITIES = ("keras_optimizer", "tf_kernel", "to_keras", "from_keras", "missed_steps",
-                     "missed_steps_read_learning_rate")
+                     "missed_steps_read_learning_rate", "sparsecore_spec")
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -198,11 +218,13 @@ class Updater:
         cls.__init__ = _checked_after(cls.__init__)
 
     def tf_kernel(self):
-        """Name of TF's fused sparse kernel computing exactly this rule, or None.
+        """TF's fused sparse kernel computing exactly this rule: its name, or
+        `(name, {argument: value})` with the kernel's fixed arguments; None if none.
 
         Known names: `"sgd"` (`ResourceScatterSub`), `"adagrad"`
-        (`ResourceSparseApplyAdagradV2`), `"ftrl"` (`ResourceSparseApplyFtrl`),
-        `"keras_momentum"` (`ResourceSparseApplyKerasMomentum`).
+        (`ResourceSparseApplyAdagradV2`), `"ftrl"` (`ResourceSparseApplyFtrl`;
+        argument `multiply_linear_by_lr`), `"keras_momentum"`
+        (`ResourceSparseApplyKerasMomentum`; argument `use_nesterov`).
         """
         return None
 
@@ -273,7 +295,8 @@ class Updater:
                 self._specs[name] = hyperparameters.Spec(option.check, option.rule)
         self.transforms = transforms_from(self.options, self.value)
 
-    def hyperparameter(self, name, value, check=None, rule="", fixed=False):
+    def hyperparameter(self, name, value, check=None, rule="", fixed=False, schedule=True,
+                       state=True):
         """Sets the rule hyperparameter `name`: a float, or a schedule of the step.
 
         A schedule is any `keras.optimizers.schedules.LearningRateSchedule`,
@@ -292,8 +315,16 @@ class Updater:
             fixed: `True` if the rule reads the value in Python (a branch, a
                 slot's existence), so it cannot change once built; or a
                 predicate of the value when built (e.g. `lambda v: v == 0`).
+            schedule: whether it may be a schedule.
+            state: whether the step reads it. `state=False` is a value that
+                only sets up the state (an accumulator's initial value, in
+                `slots`): a float, checked and in the config like the others,
+                fixed once built, never a variable.
         """
-        self._set_hyperparameter(name, value, hyperparameters.Spec(check, rule, fixed))
+        if not state:
+            fixed, schedule = True, False
+        self._set_hyperparameter(name, value,
+                                 hyperparameters.Spec(check, rule, fixed, schedule, state))
         self.__dict__.setdefault("_hyperparameters", []).append(name)
 
     def _set_hyperparameter(self, name, value, spec):
@@ -304,7 +335,7 @@ class Updater:
     def hyperparameters(self):
         """The names of every float the step reads: `learning_rate`, the rule's
         hyperparameters, the numeric options that are set."""
-        return list(self._specs)
+        return [n for n, spec in self._specs.items() if spec.state]
 
     def __getattr__(self, name):
         # Options read as attributes (`updater.clipvalue`, None when off), as a
@@ -334,6 +365,14 @@ class Updater:
                 return
         if name in self._specs:
             spec = self._specs[name]
+            if not spec.state:
+                why = "it sets up the state, which the slots were made with"
+                if tables:
+                    raise self._fixed_error(name, tables, why)
+                raise ValueError(
+                    f"{type(self).__name__}: `{name}` cannot change once the updater is made "
+                    f"({why}); give it when making one: `{type(self).__name__}(..., "
+                    f"{name}=...)`.")
             value = spec.checked(type(self).__name__, name, value)
             if tables and not spec.may_change(getattr(self, name), value):
                 raise self._fixed_error(name, tables, f"the step was built for "
@@ -411,7 +450,7 @@ class Updater:
         """
         variables = variables or {}
         return {n: (ops.cast(variables[n].value, "float32") if n in variables
-                    else value_at(getattr(self, n), step)) for n in self._specs}
+                    else value_at(getattr(self, n), step)) for n in self.hyperparameters}
 
     def _check_settings(self):
         """Checks that need the whole updater (run once its `__init__` is done)."""
@@ -495,6 +534,9 @@ class Updater:
     missed_steps = None
     # Whether `missed_steps` reads the learning rate (then it must be constant).
     missed_steps_read_learning_rate = False
+    # The jax-tpu-embedding spec of a rule SparseCore has and Keras has not
+    # (a `SparseCoreSpec`); None: converted through its Keras optimizer, if any.
+    sparsecore_spec = None
 
     def learning_rate_at(self, step):
         """The learning rate at `step` (the optimizer's 0-based iteration)."""

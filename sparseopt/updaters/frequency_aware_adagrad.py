@@ -3,7 +3,7 @@
 import keras
 from keras import ops
 
-from sparseopt.updaters.base import SlotSpec, Updater
+from sparseopt.updaters.base import SlotSpec, SparseCoreSpec, Updater
 
 
 @keras.saving.register_keras_serializable(package="sparseopt")
@@ -33,6 +33,13 @@ class FrequencyAwareAdagrad(Updater):
         **options: options every updater takes (e.g. `clipvalue`).
     """
 
+    sparsecore_spec = SparseCoreSpec(
+        "F2AOptimizerSpec",
+        {"rho": "rho", "initial_accumulator_value": "initial_accumulator_value",
+         "l1_regularization_strength": "l1_regularization_strength",
+         "l2_regularization_strength": "l2_regularization_strength",
+         "max_lr_multiplier": "max_lr_multiplier"},
+        {"initial_local_step_value": 0.0}, "each row's count starts at 0")
     test_configs = {
         "default": {},
         "boost": {"rho": 0.8, "initial_accumulator_value": 0.05,
@@ -50,10 +57,8 @@ class FrequencyAwareAdagrad(Updater):
         self.hyperparameter("l2_regularization_strength", l2_regularization_strength,
                             lambda v: v >= 0, ">= 0")
         self.hyperparameter("max_lr_multiplier", max_lr_multiplier, lambda v: v >= 1, ">= 1")
-        if not initial_accumulator_value > 0:
-            raise ValueError("FrequencyAwareAdagrad: `initial_accumulator_value` must be > 0 "
-                             f"(it divides the first step), got {initial_accumulator_value!r}.")
-        self.initial_accumulator_value = float(initial_accumulator_value)
+        self.hyperparameter("initial_accumulator_value", initial_accumulator_value,
+                            lambda v: v > 0, "> 0 (it divides the first step)", state=False)
         self.slots = (SlotSpec("accumulator", False, self.initial_accumulator_value),
                       SlotSpec("local_step", rowwise=True, initial_value=0, dtype="int32"))
 
@@ -68,7 +73,3 @@ class FrequencyAwareAdagrad(Updater):
                      + self.value("l1_regularization_strength", step) * ops.sign(rows)
                      + self.value("l2_regularization_strength", step) * rows)
         return rows - learning_rate * direction, {"accumulator": acc, "local_step": seen}
-
-    def get_config(self):
-        return {**super().get_config(),
-                "initial_accumulator_value": self.initial_accumulator_value}

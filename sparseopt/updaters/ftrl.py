@@ -68,16 +68,14 @@ class Ftrl(Updater):
         self.hyperparameter("l2_regularization_strength", l2_regularization_strength,
                             lambda v: v >= 0, ">= 0")
         self.hyperparameter("beta", beta, lambda v: v >= 0, ">= 0")
-        if initial_accumulator_value < 0:
-            raise ValueError("Ftrl: `initial_accumulator_value` must be >= 0, got "
-                             f"{initial_accumulator_value}.")
+        self.hyperparameter("initial_accumulator_value", initial_accumulator_value,
+                            lambda v: v >= 0, ">= 0", state=False)
         if initial_accumulator_value == 0 and self.learning_rate_power != 0:
             raise ValueError(
                 "Ftrl: `initial_accumulator_value=0` with a negative "
                 "`learning_rate_power` divides by zero on the first step; use a "
                 "positive value such as 0.1."
             )
-        self.initial_accumulator_value = float(initial_accumulator_value)
         self.multiply_linear_by_learning_rate = bool(multiply_linear_by_learning_rate)
         self.slots = (
             SlotSpec("accumulator", False, self.initial_accumulator_value),
@@ -110,7 +108,8 @@ class Ftrl(Updater):
         return rows, {"accumulator": n_new, "linear": z_new}
 
     def tf_kernel(self):
-        return "ftrl"  # TF's kernel takes beta folded into l2, as Keras' Ftrl does
+        # TF's kernel takes beta folded into l2, as Keras' Ftrl does.
+        return "ftrl", {"multiply_linear_by_lr": self.multiply_linear_by_learning_rate}
 
     def to_keras(self):
         if self.multiply_linear_by_learning_rate:
@@ -139,5 +138,4 @@ class Ftrl(Updater):
 
     def get_config(self):
         return {**super().get_config(),
-                "initial_accumulator_value": self.initial_accumulator_value,
                 "multiply_linear_by_learning_rate": self.multiply_linear_by_learning_rate}

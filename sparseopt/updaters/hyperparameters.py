@@ -46,12 +46,17 @@ class Spec:
             for a momentum whose 0 means "no momentum slot"): the value may
             then change to any value of which it gives the same result.
         schedule: whether a `LearningRateSchedule` is allowed.
+        state: whether the step reads it (then, constant and not `fixed`,
+            it lives in a variable once built). False for a value that only
+            sets up the state (an accumulator's initial value): fixed once
+            built, never read by the step.
     """
 
     check: object = None
     rule: str = ""
     fixed: object = False
     schedule: bool = True
+    state: bool = True
 
     def checked(self, owner, name, value):
         """`value` as stored: a float, or a schedule; raises naming `owner` otherwise."""
@@ -77,7 +82,7 @@ class Spec:
 
     def is_state(self, value):
         """Whether a hyperparameter with this `value` lives in a variable once built."""
-        return not isinstance(value, _Schedule) and self.fixed is not True
+        return self.state and not isinstance(value, _Schedule) and self.fixed is not True
 
 
 _READING = threading.local()

@@ -8,16 +8,12 @@ summed row gradient it means what Keras means); settings with no sparse,
 per-row meaning are refused with what to change, never dropped.
 """
 
-import dataclasses
 import numbers
 
 import keras
 
 from sparseopt import compat
-from sparseopt.updaters.adagrad_momentum import AdagradMomentum
 from sparseopt.updaters.base import STORAGE_DEFAULTS, registry
-from sparseopt.updaters.frequency_aware_adagrad import FrequencyAwareAdagrad
-from sparseopt.updaters.laprop import LaProp
 
 # Options of keras.optimizers.Optimizer that a per-table sparse rule cannot honour.
 _UNSUPPORTED_BASE = {
@@ -200,12 +196,12 @@ def to_sparsecore_spec(updater):
             f"sparseopt: {type(updater).__name__} settings {extras} have no SparseCore "
             "optimizer spec field here (keras-rs' conversion would drop them); remove them "
             "to convert it.")
-    for entry in _DIRECT_SPECS:
-        if type(updater) is entry.updater:
-            return getattr(_jte_specs(), entry.spec)(
-                learning_rate=_jte_conversion().keras_to_jte_learning_rate(updater.learning_rate),
-                **{field: getattr(updater, name) for name, field in entry.fields.items()},
-                **entry.fixed)
+    entry = type(updater).sparsecore_spec
+    if entry is not None:
+        return getattr(_jte_specs(), entry.spec)(
+            learning_rate=_jte_conversion().keras_to_jte_learning_rate(updater.learning_rate),
+            **{field: getattr(updater, name) for name, field in entry.fields.items()},
+            **entry.fixed)
     return _jte_conversion().keras_to_jte_optimizer(to_keras_optimizer(updater))
 
 
@@ -224,7 +220,7 @@ def from_sparsecore_spec(spec):
         ValueError: for specs with no sparseopt rule (custom ones) and settings
             the updater cannot take.
     """
-    for entry in _DIRECT_SPECS:
+    for updater_class, entry in _direct_specs():
         if isinstance(spec, getattr(_jte_specs(), entry.spec)):
             other = {k: getattr(spec, k, v) for k, v in entry.fixed.items()
                      if getattr(spec, k, v) != v}
@@ -234,46 +230,15 @@ def from_sparsecore_spec(spec):
                     f"({entry.why}); use {entry.fixed}.")
             lr = _learning_rate(
                 _jte_conversion().jte_to_keras_learning_rate(spec.learning_rate), "")
-            return entry.updater(lr, **{name: getattr(spec, field)
+            return updater_class(lr, **{name: getattr(spec, field)
                                         for name, field in entry.fields.items()})
     return from_keras_optimizer(_jte_conversion().jte_to_keras_optimizer(spec))
 
 
-@dataclasses.dataclass(frozen=True)
-class _DirectSpec:
-    """A rule SparseCore has and Keras has not: its spec, mapped field by field.
-
-    Args:
-        updater: the sparseopt updater class.
-        spec: the jax-tpu-embedding `OptimizerSpec` class name.
-        fields: updater attribute -> spec field, both ways.
-        fixed: spec fields sparseopt cannot vary, with the only value it takes.
-        why: what `fixed` stands for, for the refusal.
-    """
-
-    updater: type
-    spec: str
-    fields: dict
-    fixed: dict
-    why: str
-
-
-_DIRECT_SPECS = (
-    _DirectSpec(AdagradMomentum, "AdagradMomentumOptimizerSpec",
-                {"momentum": "momentum", "use_nesterov": "use_nesterov",
-                 "exponent": "exponent", "beta_2": "beta2", "epsilon": "epsilon",
-                 "initial_accumulator_value": "initial_accumulator_value"},
-                {"initial_momentum_value": 0.0}, "the momentum slot starts at 0"),
-    _DirectSpec(LaProp, "LaPropOptimizerSpec", {"b1": "b1", "b2": "b2", "eps": "eps"},
-                {"rms_clip_threshold": None, "initial_slot_value": 0.0},
-                "no RMS clip; slots start at 0"),
-    _DirectSpec(FrequencyAwareAdagrad, "F2AOptimizerSpec",
-                {"rho": "rho", "initial_accumulator_value": "initial_accumulator_value",
-                 "l1_regularization_strength": "l1_regularization_strength",
-                 "l2_regularization_strength": "l2_regularization_strength",
-                 "max_lr_multiplier": "max_lr_multiplier"},
-                {"initial_local_step_value": 0.0}, "each row's count starts at 0"),
-)
+def _direct_specs():
+    """`[(updater class, its SparseCoreSpec)]`: the rules that map to a spec of their own."""
+    return [(cls, cls.sparsecore_spec) for cls in registry().values()
+            if cls.sparsecore_spec is not None]
 
 
 def _jte_specs():

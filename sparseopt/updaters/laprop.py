@@ -3,7 +3,7 @@
 import keras
 from keras import ops
 
-from sparseopt.updaters.base import SlotSpec, Updater
+from sparseopt.updaters.base import SlotSpec, SparseCoreSpec, Updater
 
 
 @keras.saving.register_keras_serializable(package="sparseopt")
@@ -33,6 +33,9 @@ class LaProp(Updater):
     Adaptivity in Adam".
     """
 
+    sparsecore_spec = SparseCoreSpec(
+        "LaPropOptimizerSpec", {"b1": "b1", "b2": "b2", "eps": "eps"},
+        {"rms_clip_threshold": None, "initial_slot_value": 0.0}, "no RMS clip; slots start at 0")
     test_configs = {
         "default": {},
         "betas": {"b1": 0.5, "b2": 0.8, "eps": 1e-6},

@@ -34,12 +34,8 @@ class RowwiseAdagrad(Updater):
     def __init__(self, learning_rate=0.01, initial_accumulator_value=0.0,
                  epsilon=1e-8, name=None, **options):
         super().__init__(learning_rate, name=name, **options)
-        if initial_accumulator_value < 0:
-            raise ValueError(
-                "RowwiseAdagrad: `initial_accumulator_value` must be >= 0, got "
-                f"{initial_accumulator_value}."
-            )
-        self.initial_accumulator_value = float(initial_accumulator_value)
+        self.hyperparameter("initial_accumulator_value", initial_accumulator_value,
+                            lambda v: v >= 0, ">= 0", state=False)
         self.hyperparameter("epsilon", epsilon, lambda v: v >= 0, ">= 0")
         self.slots = (SlotSpec("accumulator", True, self.initial_accumulator_value),)
 
@@ -49,7 +45,3 @@ class RowwiseAdagrad(Updater):
         acc = state["accumulator"] + ops.mean(ops.square(grads), axis=-1)
         scale = learning_rate / (ops.sqrt(acc) + self.value("epsilon", step))
         return rows - scale[:, None] * grads, {"accumulator": acc}
-
-    def get_config(self):
-        return {**super().get_config(),
-                "initial_accumulator_value": self.initial_accumulator_value}

@@ -50,7 +50,7 @@ class SGD(Updater):
 
     def tf_kernel(self):
         # ResourceSparseApplyKerasMomentum is this rule exactly (Keras' form).
-        return "keras_momentum" if self.momentum else "sgd"
+        return ("keras_momentum", {"use_nesterov": self.nesterov}) if self.momentum else "sgd"
 
     def to_keras(self):
         return keras.optimizers.SGD(self.learning_rate, momentum=self.momentum,
