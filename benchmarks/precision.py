@@ -87,8 +87,8 @@ def bytes_per_row(width=WIDTH):
         for label, (dtype, storage) in precisions.items():
             ids = keras.Input((1,), dtype="int32")
             layer = sparseopt.layers.SparseEmbedding(
-                64, width, updater=entry(0.01, **entry.test_configs["default"], **storage),
-                dtype=dtype)
+                64, width, updater=entry(0.01, **entry.test_configs["default"]),
+                dtype=dtype, storage=sparseopt.TableStorage(**storage))
             model = keras.Model(ids, layer(ids))
             model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()),
                           loss="mse")

@@ -20,16 +20,13 @@ TABLE_SIZES = [1_000_000, 500_000, 300_000, 200_000, 100_000, 50_000, 20_000, 10
                10, 10, 5, 4, 4]
 
 
-def updater_for(rows, **storage):
-    """Per-table choice, as one would make it: row-wise state for the largest.
-
-    `storage`: the updaters' storage settings (`state_dtype`, `stochastic_rounding`).
-    """
+def updater_for(rows):
+    """Per-table choice, as one would make it: row-wise state for the largest."""
     if rows >= 300_000:
-        return sparseopt.updaters.RowwiseAdagrad(0.05, **storage)
+        return sparseopt.updaters.RowwiseAdagrad(0.05)
     if rows >= 1_000:
-        return sparseopt.updaters.Adagrad(0.05, **storage)
-    return sparseopt.updaters.Ftrl(0.05, l2_regularization_strength=1e-4, **storage)
+        return sparseopt.updaters.Adagrad(0.05)
+    return sparseopt.updaters.Ftrl(0.05, l2_regularization_strength=1e-4)
 
 
 def synthetic_clicks(num_examples, table_sizes, seed=0):
@@ -76,7 +73,8 @@ def dot_interaction(bottom, embeddings):
 
 
 def build_dlrm(table_sizes, width, sparse=True, table_dtype=None, storage=None):
-    """The DLRM; `table_dtype` and `storage` (updater storage settings) for 16-bit tables."""
+    """The DLRM; `table_dtype` and `storage` (`sparseopt.TableStorage` settings, a dict) for
+    16-bit tables."""
     dense_in = keras.Input((NUM_DENSE,), name="dense")
     ids_in = keras.Input((len(table_sizes),), dtype="int32", name="ids")
     bottom = mlp(dense_in, [64, width], "bottom")
@@ -85,8 +83,9 @@ def build_dlrm(table_sizes, width, sparse=True, table_dtype=None, storage=None):
         col = ops.take(ids_in, [f], axis=1)
         if sparse:
             layer = sparseopt.layers.SparseEmbedding(
-                rows, width, updater=updater_for(rows, **(storage or {})), combiner="sum",
-                name=f"table_{f}", dtype=table_dtype)
+                rows, width, updater=updater_for(rows), combiner="sum",
+                name=f"table_{f}", dtype=table_dtype,
+                storage=sparseopt.TableStorage(**storage) if storage else None)
             embeddings.append(layer(col))
         else:
             layer = keras.layers.Embedding(rows, width, name=f"table_{f}")

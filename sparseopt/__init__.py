@@ -6,8 +6,9 @@ Layers declare which updater trains each table (`variable_path_to_optimizer_map`
 
 from sparseopt import callbacks, distribution, layers, ops, saving, updaters
 from sparseopt.dispatch_optimizer import DispatchOptimizer
+from sparseopt.storage import TableStorage
 from sparseopt.table_trainer import TableTrainer
 
 __version__ = "0.2.0"
 
-__all__ = ["DispatchOptimizer", "TableTrainer", "callbacks", "distribution", "layers", "ops", "saving", "updaters"]
+__all__ = ["DispatchOptimizer", "TableStorage", "TableTrainer", "callbacks", "distribution", "layers", "ops", "saving", "updaters"]

@@ -14,7 +14,7 @@ import weakref
 import keras
 from keras import ops
 
-from sparseopt import backend, compat, precision, updaters
+from sparseopt import backend, compat, precision, storage, updaters
 from sparseopt.updaters import hyperparameters
 from sparseopt.distribution import layout_like
 from sparseopt.sparse_apply import (
@@ -52,6 +52,8 @@ class TableTrainer:
         self.updater = updater
         self.source = source
         self.owner = owner
+        # How the table stores its state and 16-bit writes: its own, else its updater's.
+        self.storage = storage.of_table(source.storage, updater, table.path)
         self.slots = {}  # slot name -> Keras variable, laid out like the table
         self.skipped = None  # int32 scalar: steps skipped for non-finite gradients
         self.workspace = None  # int32 [V (+1 on TF)] dedup scratch, never saved
@@ -79,8 +81,8 @@ class TableTrainer:
                 stochastic rounding draws its own bits).
         """
         table, prefix = self.table, self.table.path.replace("/", "_")
-        self.rounding = precision.Rounding(self.updater.stochastic_rounding,
-                                           self.updater.rounding_seed, index)
+        self.rounding = precision.Rounding(self.storage.stochastic_rounding,
+                                           self.storage.rounding_seed, index)
         whole = [spec.name for spec in self.updater.whole_slots]
         if whole and backend.row_shards(table) is not None:
             raise ValueError(
@@ -93,7 +95,7 @@ class TableTrainer:
             shape = spec.shape(table.shape)
             self.slots[spec.name] = optimizer.add_variable(
                 shape=shape, initializer=_Filled(spec.initial_value),
-                dtype=spec.dtype_for(self.updater.state_dtype),
+                dtype=spec.dtype_for(self.storage.state_dtype),
                 # Per-row state is sharded like the table, so that updates stay
                 # local; whole state is replicated.
                 layout=layout_like(table, len(shape)) if spec.per_row else None,
@@ -274,7 +276,7 @@ class TableTrainer:
     def group_key(self):
         """What tables updated together must share, or None if this one stays alone.
 
-        Width, dtype and updater configuration. A shipped updater's
+        Width, dtype, updater configuration and storage. A shipped updater's
         configuration is its `get_config()` (its name aside), and its
         learning-rate schedule object if it has one; a user's updater class
         is grouped only with tables that share the very same updater object.
@@ -293,7 +295,8 @@ class TableTrainer:
             rule = (cls.__name__, json.dumps(config, sort_keys=True, default=repr), schedule)
         else:
             rule = ("object", id(updater))
-        return (self.table.shape[1], keras.backend.standardize_dtype(self.table.dtype), rule)
+        return (self.table.shape[1], keras.backend.standardize_dtype(self.table.dtype), rule,
+                self.storage)
 
 
 class TableGroup:

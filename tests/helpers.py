@@ -17,11 +17,11 @@ def dot_loss(y_true, y_pred):
 
 
 def table_model(vocab, width, n_ids, updater, combiner=None, name="emb", init=None,
-                dtype=None):
+                dtype=None, storage=None):
     ids = keras.Input((n_ids,), dtype="int32")
     emb = sparseopt.layers.SparseEmbedding(
         vocab, width, updater=updater, combiner=combiner, name=name,
-        embeddings_initializer=init or "uniform", dtype=dtype)
+        embeddings_initializer=init or "uniform", dtype=dtype, storage=storage)
     return keras.Model(ids, emb(ids)), emb
 
 

@@ -136,15 +136,21 @@ def test_state_is_float32_whatever_the_table_dtype(dtype, updater, slots):
     assert {k: v.dtype for k, v in state.items()} == slots
 
 
-def test_state_dtype_stores_the_state_in_16_bits_rounded_the_same_way():
+@pytest.mark.parametrize("given_on", ["table", "updater"])
+def test_state_dtype_stores_the_state_in_16_bits_rounded_the_same_way(given_on):
     """`state_dtype="bfloat16"`: half the state memory; the accumulator is
-    written with its own stream of bits (variable index 1)."""
+    written with its own stream of bits (variable index 1). Given on the table
+    (`TableStorage`), or on the updater (the older spelling)."""
     rng = np.random.default_rng(3)
     vocab, width, n_ids, batch = 40, 4, 3, 4
     xs, ys = batches(rng, 15, batch, n_ids, vocab, width)
     ys = ys.astype(ml_dtypes.bfloat16).astype(np.float32)
-    updater = sparseopt.updaters.Adagrad(0.05, state_dtype="bfloat16", rounding_seed=11)
-    model, emb = table_model(vocab, width, n_ids, updater, dtype="bfloat16")
+    settings = {"state_dtype": "bfloat16", "rounding_seed": 11}
+    if given_on == "updater":
+        updater, storage = sparseopt.updaters.Adagrad(0.05, **settings), None
+    else:
+        updater, storage = sparseopt.updaters.Adagrad(0.05), sparseopt.TableStorage(**settings)
+    model, emb = table_model(vocab, width, n_ids, updater, dtype="bfloat16", storage=storage)
     model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()),
                   loss=dot_loss)
     table0 = to_np(emb.embeddings)
@@ -267,3 +273,39 @@ def test_storage_settings_are_checked_and_part_of_the_config():
         sparseopt.updaters.SGD(0.1, stochastic_rounding=1)
     with pytest.raises(ValueError, match="Ftrl: `rounding_seed` must be an int"):
         sparseopt.updaters.Ftrl(0.1, rounding_seed=-1)
+
+
+@pytest.mark.backend_independent
+def test_table_storage_is_checked_saved_with_its_layer_and_refuses_a_disagreeing_updater():
+    storage = sparseopt.TableStorage(state_dtype="float16", stochastic_rounding=False,
+                                     rounding_seed=5)
+    layer = sparseopt.layers.SparseEmbedding(10, 4, sparseopt.updaters.Adagrad(0.1),
+                                             storage=storage, name="t")
+    config = layer.get_config()
+    assert config["storage"] == {"state_dtype": "float16", "stochastic_rounding": False,
+                                 "rounding_seed": 5}
+    assert type(layer).from_config(config).storage == storage
+    assert "storage" not in sparseopt.layers.SparseEmbedding(
+        10, 4, sparseopt.updaters.Adagrad(0.1)).get_config()  # older configs: the same
+    with pytest.raises(ValueError, match="TableStorage: `state_dtype` must be one of"):
+        sparseopt.TableStorage(state_dtype="int8")
+    with pytest.raises(TypeError, match="`storage` must be a sparseopt.TableStorage"):
+        sparseopt.layers.SparseEmbedding(10, 4, sparseopt.updaters.SGD(0.1), storage="bf16")
+
+    def trained(updater, storage):
+        model, emb = table_model(10, 4, 2, updater, dtype="bfloat16", storage=storage)
+        model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()),
+                      loss=dot_loss)
+        model.optimizer.build(model.trainable_variables)
+        return model.optimizer.table_state(emb.embeddings)["accumulator"]
+
+    # The table's storage wins over an updater at its defaults; one that agrees is fine.
+    assert trained(sparseopt.updaters.Adagrad(0.1), storage).dtype == "float16"
+    assert trained(sparseopt.updaters.Adagrad(0.1, state_dtype="float16",
+                                              stochastic_rounding=False, rounding_seed=5),
+                   storage).dtype == "float16"
+    assert trained(sparseopt.updaters.Adagrad(0.1, state_dtype="bfloat16"),
+                   None).dtype == "bfloat16"
+    with pytest.raises(ValueError, match="Table 'emb/embeddings': its storage .* and its "
+                                         "updater Adagrad's storage settings .* differ"):
+        trained(sparseopt.updaters.Adagrad(0.1, state_dtype="bfloat16"), storage)

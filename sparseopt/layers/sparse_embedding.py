@@ -3,6 +3,7 @@
 import keras
 
 from sparseopt import compat
+from sparseopt import storage as storage_lib
 from sparseopt import updaters as updaters_lib
 from sparseopt.distribution import check_even_split
 from sparseopt.layers.block_init import blockwise
@@ -48,11 +49,15 @@ class SparseEmbedding(keras.layers.Layer):
         combiner: `None` returns `[..., n, output_dim]` for ids `[..., n]`;
             `"sum"` or `"mean"` reduce the last id axis (multi-hot bags) to
             `[..., output_dim]`.
+        storage: how the table stores its updater state and writes 16-bit
+            values (`sparseopt.TableStorage(state_dtype=..., stochastic_rounding=...,
+            rounding_seed=...)`); None: the defaults (float32 state,
+            stochastic rounding, seed 0), or the updater's own settings.
         **kwargs: base `Layer` arguments (`name`, `dtype`, ...).
     """
 
     def __init__(self, input_dim, output_dim, updater, embeddings_initializer="uniform",
-                 combiner=None, **kwargs):
+                 combiner=None, storage=None, **kwargs):
         for option, fix in _REFUSED.items():
             if kwargs.pop(option, None) not in (None, False):
                 raise ValueError(
@@ -84,6 +89,7 @@ class SparseEmbedding(keras.layers.Layer):
         self.updater = updater
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         self.combiner = combiner
+        self.storage = storage_lib.from_argument(storage, f"SparseEmbedding '{self.name}'")
 
     def build(self, input_shape=None):
         shape = (self.input_dim, self.output_dim)
@@ -96,7 +102,7 @@ class SparseEmbedding(keras.layers.Layer):
             name="embeddings",
             autocast=False,  # never cast the whole table; the lookup casts rows
         )
-        self._lookup = SparseLookup(self, self.embeddings)
+        self._lookup = SparseLookup(self, self.embeddings, storage=self.storage)
 
     @property
     def variable_path_to_optimizer_map(self):
@@ -155,4 +161,6 @@ class SparseEmbedding(keras.layers.Layer):
             "updater": keras.saving.serialize_keras_object(self.updater),
             "embeddings_initializer": keras.initializers.serialize(self.embeddings_initializer),
             "combiner": self.combiner,
+            # Only where given: configs without it load as before.
+            **({"storage": self.storage.get_config()} if self.storage is not None else {}),
         }

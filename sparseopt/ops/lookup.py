@@ -8,6 +8,7 @@ import numpy as np
 from keras import ops
 
 from sparseopt import backend, compat
+from sparseopt import storage as storage_lib
 from sparseopt.row_grads import BagGrads, RowGrads
 
 
@@ -38,6 +39,9 @@ class SparseLookup:
     Args:
         layer: the `keras.layers.Layer` that owns `table`.
         table: a 2-D Keras variable of `layer`.
+        storage: how the table stores its updater state and writes 16-bit
+            values, a `sparseopt.TableStorage`; None: its updater's settings
+            (by default float32 state, stochastic rounding, seed 0).
 
     Example:
 
@@ -56,7 +60,7 @@ class SparseLookup:
     ```
     """
 
-    def __init__(self, layer, table):
+    def __init__(self, layer, table, storage=None):
         if len(table.shape) != 2:
             raise ValueError(
                 f"SparseLookup: table '{table.path}' must be 2-D [rows, width], "
@@ -69,6 +73,7 @@ class SparseLookup:
                 "gradients from every call in a step are summed)."
             )
         self.table = table
+        self.storage = storage_lib.from_argument(storage, f"SparseLookup of '{table.path}'")
         base = table.name.replace("/", "_")
         self.num_dropped_ids = _layer_state(layer, f"{base}_dropped_ids", "int32", False)
         guard = _PlainOptimizerGuard(layer.name, table.path)

@@ -29,6 +29,11 @@ class LookupRows:
         """The variables whose gradients this source reads: the probe."""
         return [self.lookup.probe]
 
+    @property
+    def storage(self):
+        """The `TableStorage` given on the table's lookup, or None (None before it exists)."""
+        return getattr(self.lookup, "storage", None)
+
     def row_gradients(self, grads, table_name):
         """This step's true `RowGrads`, or None if the table was not looked up.
 
@@ -70,6 +75,8 @@ class SlicedRows:
     @property
     def watched(self):
         return [self.table]
+
+    storage = None  # keras-rs tables: their updater's (TableConfig has no storage)
 
     def row_gradients(self, grads, table_name):
         grad = grads.get(id(self.table))

@@ -17,20 +17,19 @@ subclass registers it; the tests enumerate the registry.
 
 import dataclasses
 import functools
-import numbers
 import weakref
 
 import keras
 from keras import ops
 
-from sparseopt import dtypes
+from sparseopt import storage
 from sparseopt.updaters import catch_up, hyperparameters
 from sparseopt.updaters.transforms import (
     OPTIONS, check_options, chain, transforms_from, value_at)
 
 _REGISTRY = {}
 # How a table's values and state are stored (Updater's arguments) by default.
-STORAGE_DEFAULTS = {"state_dtype": "float32", "stochastic_rounding": True, "rounding_seed": 0}
+STORAGE_DEFAULTS = storage.DEFAULTS
 
 
 def registry(shipped_only=False):
@@ -178,18 +177,12 @@ class Updater:
         ema_momentum: `None` (default), or keep an exponential moving average
             of each row as Keras' `use_ema=True` does (`m` in `[0, 1)`), at
             sparse cost; at the end of `fit` the table takes its average.
-        state_dtype: the dtype of the float state slots: `"float32"`
-            (default, whatever the table's dtype), `"bfloat16"` or
-            `"float16"` (half the state memory; small state increments are
-            then rounded like a 16-bit table's rows). Rules always compute
-            in float32.
-        stochastic_rounding: for 16-bit tables and state: `True` (default)
-            rounds each written value up or down at random so that its
-            expectation is the float32 value (`sparseopt.precision`); `False`
-            rounds to nearest, which loses updates smaller than half a
-            16-bit step. No effect on float32 variables.
-        rounding_seed: int seed of the stochastic rounding's bits (same
-            seed, same result, on either backend and any sharding).
+        state_dtype, stochastic_rounding, rounding_seed: how the tables
+            it trains store their state and write 16-bit values, for tables
+            that do not say so themselves. They belong to the table: give
+            them there (`SparseEmbedding(..., storage=sparseopt.TableStorage(
+            ...))`, which documents them); here they are the older spelling,
+            still honoured (configs and files of earlier versions load).
         follow_learning_rate: `True` (default): the table trains at
             `learning_rate` times the wrapped Keras optimizer's learning rate
             over its value when training began, so Keras' learning-rate
@@ -271,16 +264,9 @@ class Updater:
             raise ValueError(f"{owner}: `ema_momentum` must be a number in "
                              f"[0, 1), got {ema_momentum!r}.")
         self.ema_momentum = None if ema_momentum is None else float(ema_momentum)
-        self.state_dtype = dtypes.check_dtype(owner, "state_dtype", state_dtype)
-        if not isinstance(stochastic_rounding, bool):
-            raise TypeError(f"{owner}: `stochastic_rounding` must be True or False, got "
-                            f"{stochastic_rounding!r}.")
-        self.stochastic_rounding = stochastic_rounding
-        if isinstance(rounding_seed, bool) or not isinstance(rounding_seed, numbers.Integral) \
-                or not 0 <= rounding_seed < 2**32:
-            raise ValueError(f"{owner}: `rounding_seed` must be an int in [0, 2**32), got "
-                             f"{rounding_seed!r}.")
-        self.rounding_seed = int(rounding_seed)
+        # The table's storage, given here (the older spelling; `sparseopt.storage`).
+        self.state_dtype, self.stochastic_rounding, self.rounding_seed = storage.checked(
+            owner, state_dtype, stochastic_rounding, rounding_seed)
         if not isinstance(follow_learning_rate, bool):
             raise TypeError(f"{owner}: `follow_learning_rate` must be True or False, got "
                             f"{follow_learning_rate!r}.")
