@@ -147,3 +147,18 @@ def test_a_slots_initial_value_is_declared_like_any_rule_parameter():
             updater.initial_accumulator_value = 0.5
     assert sorted(found) == ["Adagrad", "AdagradMomentum", "FrequencyAwareAdagrad", "Ftrl",
                              "RowwiseAdagrad"]
+
+
+def test_whole_state_on_a_table_split_by_rows_is_refused_naming_the_table(monkeypatch):
+    """Not supported yet: refused when the optimizer is built, never run wrongly. (The
+    split is stood in for: `backend.row_shards` is what the build asks.)"""
+    from sparseopt import backend
+
+    model, emb = table_model(VOCAB, WIDTH, IDS, ColumnScaledSGD(0.2))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)),
+                  loss=dot_loss)
+    monkeypatch.setattr(backend, "row_shards", lambda variable: ("mesh", "rows"))
+    with pytest.raises(ValueError, match=r"table 'emb/embeddings' is split by rows over "
+                                         r"devices.*whole-table state \['column_sq', "
+                                         r"'rows_seen'\]"):
+        model.optimizer.build(model.trainable_variables)
