@@ -276,14 +276,11 @@ def _update_distinct(updater, table, slots, distinct, finite, values, step, roun
     kinds = {spec.name: spec for spec in updater.slots}
     names = sorted(n for n in slots if kinds[n].per_row)
     index = precision.variable_indices(updater)  # each variable's own rounding bits
-    whole = _update_whole(updater, table, slots, distinct, finite, values, step)
+    whole = _update_whole(updater, table, slots, names, distinct, finite, values, step)
 
     def update(variables, uniq, summed):
         table, state_vars = variables[0], dict(zip(names, variables[1:]))
-        rows = ops.cast(backend.gather(table.value, uniq), "float32")
-        # Float state is computed in float32; integer state (the row's last
-        # step where `lazy=False`) keeps its dtype.
-        state = {n: as_computed(backend.gather(v.value, uniq)) for n, v in state_vars.items()}
+        rows, state = _gathered(table.value, {n: v.value for n, v in state_vars.items()}, uniq)
         with hyperparameters.reading(updater, values):
             new_rows, new_state = updater.apply_rule(rows, {**state, **whole}, summed,
                                                      learning_rate, step)
@@ -302,21 +299,30 @@ def _update_distinct(updater, table, slots, distinct, finite, values, step, roun
     backend.for_distinct_rows(update, [table] + [slots[n] for n in names], distinct)
 
 
-def _update_whole(updater, table, slots, distinct, finite, values, step):
+def _gathered(table_value, state_values, uniq):
+    """`(rows, state)` of the rows `uniq`, as rules compute with them.
+
+    Float state is computed in float32; integer state (the row's last step
+    where `lazy=False`) keeps its dtype.
+    """
+    rows = ops.cast(backend.gather(table_value, uniq), "float32")
+    return rows, {n: as_computed(backend.gather(v, uniq)) for n, v in state_values.items()}
+
+
+def _update_whole(updater, table, slots, names, distinct, finite, values, step):
     """Updates the whole slots once for the step; `{name: new value}` (float32).
 
     Their contributions are summed over the distinct rows only (padding
-    entries add nothing), in as many chunks as the rows take.
+    entries add nothing), in as many chunks as the rows take. `names`: the
+    per-row slots, which the contributions may read.
     """
     specs = updater.whole_slots
     if not specs:
         return {}
     old = {s.name: ops.cast(slots[s.name].value, "float32") for s in specs}
-    per_row = sorted(n for n in slots if n not in old)
 
     def contributions(values_, uniq, summed):
-        rows = ops.cast(backend.gather(values_[0], uniq), "float32")
-        state = {n: as_computed(backend.gather(v, uniq)) for n, v in zip(per_row, values_[1:])}
+        rows, state = _gathered(values_[0], dict(zip(names, values_[1:])), uniq)
         with hyperparameters.reading(updater, values):
             # The rows and gradients the rule will see (options applied first).
             rows, grads = transforms.before_rule(updater.transforms, rows, summed,
@@ -324,7 +330,7 @@ def _update_whole(updater, table, slots, distinct, finite, values, step):
             return updater.contributions(rows, {**state, **old}, grads, step)
 
     sums = backend.sum_over_distinct_rows(
-        contributions, [table.value] + [slots[n].value for n in per_row], distinct)
+        contributions, [table.value] + [slots[n].value for n in names], distinct)
     with hyperparameters.reading(updater, values):
         new = updater.update_whole(dict(old), sums, table.shape[0], step)
     out = {}

@@ -213,3 +213,19 @@ def test_each_backend_provides_the_whole_contract_and_nothing_is_a_none_stub():
     partial.dedup, partial.trace_forward = None, None
     del partial.tap
     assert backend.check(partial) == ["tap", "dedup", "trace_forward"]
+
+
+def test_fill_in_blocks_gives_the_blocks_in_order_on_either_backend():
+    """Where `FILLS_IN_BLOCKS` is false (TF) it still does what the contract says."""
+    from sparseopt import backend
+
+    def block(i, shape):
+        return np.full(shape, float(i), "float32") + np.arange(shape[0])[:, None]
+
+    got = to_np(backend.fill_in_blocks(block, (7, 2), "float32", 3))
+    want = np.concatenate([block(0, (3, 2)), block(1, (3, 2)), block(2, (1, 2))])
+    np.testing.assert_array_equal(got, want)
+    if not backend.ROW_SHARDS:
+        table = keras.Variable(np.zeros((4, 2), "float32"), name="t")
+        with pytest.raises(ValueError, match="'t'.*never split by rows"):
+            backend.on_row_shards(None, None, None, table, {}, None, {}, 1, None, None)

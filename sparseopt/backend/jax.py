@@ -111,24 +111,17 @@ def for_distinct_rows(update, variables, distinct):
     lose one. `update` reads and writes `variables` (a list of objects with
     `value` and `assign`, the table first), which the loop carries.
     """
-    uniq, summed, count = distinct
-    n, size = uniq.shape[0], DISTINCT_CHUNK
-    num_rows = variables[0].shape[0]
-    pad = -n % size  # to whole chunks, with more distinct padding ids
-    if n <= size or not distinct_padding(num_rows, n + pad):
-        update(variables, uniq, summed)
+    chunks = _chunks(distinct, variables[0].shape[0])
+    if chunks is None:
+        update(variables, distinct.ids, distinct.grads)
         return
-    uniq = jnp.concatenate([uniq, padding_ids(num_rows, n + pad)[n:]])
-    summed = jnp.pad(summed, ((0, pad), (0, 0)))
+    take, trips = chunks
 
     def chunk(i, values):
-        start = i * size
         held = [Held(v) for v in values]
-        update(held, jax.lax.dynamic_slice_in_dim(uniq, start, size),
-               jax.lax.dynamic_slice_in_dim(summed, start, size))
+        update(held, *take(i)[1:])
         return [h.value for h in held]
 
-    trips = (count + size - 1) // size
     values = jax.lax.fori_loop(0, trips, chunk, [v.value for v in variables])
     for var, value in zip(variables, values):
         var.assign(value)
@@ -142,32 +135,50 @@ def sum_over_distinct_rows(contribute, values, distinct):
     entries (from `count` on, whose gathered rows are clamped real rows)
     add nothing. `values`: arrays, the table's first.
     """
-    uniq, summed, count = distinct
-    n, size = uniq.shape[0], DISTINCT_CHUNK
-    num_rows = values[0].shape[0]
-
     def masked(parts, start, length):
-        keep = start + jnp.arange(length, dtype=jnp.int32) < count
+        keep = start + jnp.arange(length, dtype=jnp.int32) < distinct.count
         return {k: jnp.sum(jnp.where(keep.reshape((-1,) + (1,) * (v.ndim - 1)), v, 0), axis=0)
                 for k, v in parts.items()}
 
+    chunks = _chunks(distinct, values[0].shape[0])
+    if chunks is None:
+        return masked(contribute(values, distinct.ids, distinct.grads), 0,
+                      distinct.ids.shape[0])
+    take, trips = chunks
+
+    def chunk(i, total):
+        start, ids, grads = take(i)
+        part = masked(contribute(values, ids, grads), start, DISTINCT_CHUNK)
+        return {k: total[k] + part[k] for k in total}
+
+    shapes = jax.eval_shape(lambda: masked(contribute(values, *take(0)[1:]), 0,
+                                           DISTINCT_CHUNK))
+    zeros = {k: jnp.zeros(v.shape, v.dtype) for k, v in shapes.items()}
+    return jax.lax.fori_loop(0, trips, chunk, zeros)
+
+
+def _chunks(distinct, num_rows):
+    """`distinct` in whole chunks of `DISTINCT_CHUNK` entries, or None for one pass.
+
+    Where its entries do not fit one chunk, they are padded to whole chunks
+    with more distinct padding ids (zero gradient). Returns `(take, trips)`:
+    `take(i)` gives chunk `i`'s `(first entry, ids, grads)`, and `trips` (a
+    traced count) the chunks that hold distinct ids.
+    """
+    uniq, summed, count = distinct
+    n, size = uniq.shape[0], DISTINCT_CHUNK
     pad = -n % size
     if n <= size or not distinct_padding(num_rows, n + pad):
-        return masked(contribute(values, uniq, summed), 0, n)
+        return None
     uniq = jnp.concatenate([uniq, padding_ids(num_rows, n + pad)[n:]])
     summed = jnp.pad(summed, ((0, pad), (0, 0)))
 
-    def chunk(i, total):
+    def take(i):
         start = i * size
-        part = masked(contribute(values, jax.lax.dynamic_slice_in_dim(uniq, start, size),
-                                 jax.lax.dynamic_slice_in_dim(summed, start, size)),
-                      start, size)
-        return {k: total[k] + part[k] for k in total}
+        return (start, jax.lax.dynamic_slice_in_dim(uniq, start, size),
+                jax.lax.dynamic_slice_in_dim(summed, start, size))
 
-    shapes = jax.eval_shape(lambda: masked(contribute(values, uniq[:size], summed[:size]),
-                                           0, size))
-    zeros = {k: jnp.zeros(v.shape, v.dtype) for k, v in shapes.items()}
-    return jax.lax.fori_loop(0, (count + size - 1) // size, chunk, zeros)
+    return take, (count + size - 1) // size
 
 
 def split_by_table(distinct, offsets, sizes):
