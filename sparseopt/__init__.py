@@ -11,4 +11,5 @@ from sparseopt.table_trainer import TableTrainer
 
 __version__ = "0.2.0"
 
-__all__ = ["DispatchOptimizer", "TableStorage", "TableTrainer", "callbacks", "distribution", "layers", "ops", "saving", "updaters"]
+__all__ = ["DispatchOptimizer", "TableStorage", "TableTrainer", "callbacks", "distribution",
+           "layers", "ops", "saving", "updaters"]

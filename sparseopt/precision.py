@@ -26,7 +26,7 @@ import numpy as np
 from keras import ops
 
 from sparseopt import backend
-from sparseopt.dtypes import FLOAT_DTYPES, HALF_DTYPES, LARGEST, check_dtype  # noqa: F401
+from sparseopt.dtypes import HALF_DTYPES, LARGEST
 
 
 _GOLDEN = 0x9E3779B9

@@ -7,8 +7,8 @@ record of the step to the table's trainer, which deduplicates it into a
 rule to those rows. New per-step facts (e.g. rows that changed owner) are
 new fields of `RowGrads`, not new arguments along the way.
 
-Row gradients come one row per id, or one per bag. A lookup's backward pass yields the gradient of every id it read. For a
-pooled lookup (`SparseEmbedding(combiner="sum"|"mean")`) those are the bag's
+Row gradients come one row per id, or one per bag. A lookup's backward
+pass yields the gradient of every id it read. For a pooled lookup (`SparseEmbedding(combiner="sum"|"mean")`) those are the bag's
 one gradient repeated for each id of the bag, times the id's pooling weight:
 `BagGrads` keeps them in that form, so that the `[ids, width]` array is never
 built; the dedup's segment sum reads each id's bag row directly. Everything

@@ -74,9 +74,9 @@ class SlotSpec:
         rowwise: `True` for one scalar per row (the same as `kind="row"`),
             `False` for the kind given (by default one per entry).
         initial_value: constant the slot starts at.
-        dtype: the slot's dtype; `None` (the default) for the updater's
-            `state_dtype` (float32 unless set) for per-row kinds, float32 for
-            whole kinds.
+        dtype: the slot's dtype; `None` (the default) for the table's
+            storage `state_dtype` (`sparseopt.TableStorage`, float32 unless
+            set) for per-row kinds, float32 for whole kinds.
         kind: `"entry"` (`[V, D]`, the default), `"row"` (`[V]`), `"column"`
             (`[D]`) or `"table"` (a scalar).
     """
@@ -84,7 +84,7 @@ class SlotSpec:
     name: str
     rowwise: bool = False
     initial_value: float = 0.0
-    dtype: str = None  # None: the updater's state_dtype (per-row kinds), else float32
+    dtype: str = None  # None: the table's state_dtype (per-row kinds), else float32
     kind: str = None  # None: "row" if rowwise else "entry"
 
     def __post_init__(self):
@@ -109,7 +109,7 @@ class SlotSpec:
                 COLUMN: (table_shape[1],), TABLE: ()}[self.kind]
 
     def dtype_for(self, state_dtype):
-        """The slot's dtype where the updater's `state_dtype` is given."""
+        """The slot's dtype for a table whose storage has this `state_dtype`."""
         return self.dtype or (state_dtype if self.per_row else "float32")
 
 
@@ -554,10 +554,12 @@ class Updater:
         processed in) and hands the sums to `update_whole`.
 
         Args:
-            rows: `[U, D]` current values of the touched rows.
+            rows: `[U, D]` the touched rows, as the rule will see them (after
+                the options that act before it, e.g. decoupled weight decay).
             state: their per-row slots (`[U, D]` or `[U]`), and the whole
                 slots as they are before this step.
-            grads: `[U, D]` summed gradient of each touched row.
+            grads: `[U, D]` summed gradient of each touched row, as the rule
+                will see it (after e.g. `clipvalue`).
             step: scalar int tensor, 1-based count of this update.
 
         Returns:
