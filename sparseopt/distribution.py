@@ -39,6 +39,24 @@ def layout_like(table, ndim):
     return keras.distribution.TensorLayout(layout.axes[:ndim], layout.device_mesh)
 
 
+def replicated_beside(table, ndim):
+    """A replicated layout for an `ndim`-D array on `table`'s device mesh, or None.
+
+    Whole-table state (a column factor, a table's running sums): every device
+    holds all of it, whatever the table's split, so a row shard's update reads
+    it locally. Given explicitly, so that no `LayoutMap` entry for the table
+    can match the state's path by accident.
+
+    Args:
+        table: the table's Keras variable.
+        ndim: the array's rank (0 for a scalar).
+    """
+    layout = compat.layout_of(table)
+    if layout is None:
+        return None
+    return keras.distribution.TensorLayout((None,) * ndim, layout.device_mesh)
+
+
 def check_even_split(layer_name, path, shape):
     """Refuses a variable the active distribution would split unevenly.
 

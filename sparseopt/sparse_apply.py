@@ -74,17 +74,24 @@ class Prepared:
     def __init__(self, record, finite, distinct, num_rows, workspace):
         self.record, self.finite = record, finite
         self.distinct, self.num_rows, self.workspace = distinct, num_rows, workspace
+        self._global = None  # `global_distinct`, once computed
+
+    def global_distinct(self):
+        """The step's `Distinct` rows over the whole table.
+
+        A table split over devices is deduplicated globally for it, once
+        (each shard also deduplicates its own ids when it updates them).
+        """
+        if self.distinct is None and self._global is None:
+            self._global = backend.dedup(self.record, self.num_rows, self.workspace)
+        return self.distinct if self.distinct is not None else self._global
 
     def squared_norm(self):
         """The squared L2 norm of the table's gradient: of each distinct row's summed one.
 
-        What a dense optimizer's `global_clipnorm` sees of this table. A
-        table split over devices is deduplicated once more for it (globally).
+        What a dense optimizer's `global_clipnorm` sees of this table.
         """
-        distinct = self.distinct
-        if distinct is None:
-            distinct = backend.dedup(self.record, self.num_rows, self.workspace)
-        return ops.sum(ops.square(distinct.grads))
+        return ops.sum(ops.square(self.global_distinct().grads))
 
 
 def prepare(table, record, workspace=None):
@@ -117,22 +124,60 @@ def finish(updater, table, slots, prepared, values, step, workspace=None, roundi
         A boolean scalar tensor: whether the update was applied.
     """
     rounding = rounding or precision.Rounding()
+    finite = prepared.finite
+    if factor is not None:
+        finite = ops.logical_and(finite, ops.isfinite(factor))
     if prepared.distinct is None:
-        record = prepared.record if factor is None else prepared.record.scaled(factor)
-        return backend.on_row_shards(_apply, backend.row_shards(table), updater, table, slots,
-                                     record, values, step, workspace, rounding)
-    distinct, finite = prepared.distinct, prepared.finite
+        return _finish_on_row_shards(updater, table, slots, prepared, values, step, workspace,
+                                     rounding, factor, finite)
+    distinct = prepared.distinct
     if factor is not None:
         distinct = distinct.scaled(factor)
-        finite = ops.logical_and(finite, ops.isfinite(factor))
     _update_distinct(updater, table, slots, distinct, finite, values, step, rounding)
     return finite
 
 
-def _apply(updater, table, slots, record, values, step, workspace, rounding):
-    """Dedup, rule and scatter of one device's table (or row shard, in `on_row_shards`)."""
-    return finish(updater, table, slots, prepare(table, record, workspace), values, step,
-                  workspace, rounding)
+def _finish_on_row_shards(updater, table, slots, prepared, values, step, workspace, rounding,
+                          factor, finite):
+    """`finish` of a table split by rows over devices.
+
+    Whole slots (replicated) are updated first, once, from the step's
+    distinct rows over the whole table (deduplicated globally, as
+    `Prepared.squared_norm` does), with the step's global finiteness; each
+    shard then runs the row rule on the ids it owns, reading their new values
+    (`_apply_shard`). So every shard reads the same whole state, which is
+    updated once per step however the ids are routed.
+    """
+    whole = {}
+    if updater.whole_slots:
+        distinct = prepared.global_distinct()
+        if factor is not None:
+            distinct = distinct.scaled(factor)
+        per_row = sorted(n for n in slots if _kinds(updater)[n].per_row)
+        whole = _update_whole(updater, table, slots, per_row, distinct, finite, values, step)
+    record = prepared.record if factor is None else prepared.record.scaled(factor)
+    split = {n: v for n, v in slots.items() if _kinds(updater)[n].per_row}
+    # `(values, whole)` go to every shard as they are (replicated).
+    return backend.on_row_shards(_apply_shard, backend.row_shards(table), updater, table,
+                                 split, record, (values, whole), step, workspace, rounding)
+
+
+def _apply_shard(updater, table, slots, record, carried, step, workspace, rounding):
+    """Dedup, rule and scatter of one row shard (in `on_row_shards`).
+
+    `carried`: `(values, whole)`, the step's hyperparameters and the whole
+    slots' new values.
+    """
+    values, whole = carried
+    prepared = prepare(table, record, workspace)
+    _update_distinct(updater, table, slots, prepared.distinct, prepared.finite, values, step,
+                     rounding, whole=whole)
+    return prepared.finite
+
+
+def _kinds(updater):
+    """`{slot name: SlotSpec}` of `updater`."""
+    return {spec.name: spec for spec in updater.slots}
 
 
 def sparse_apply_group(updater, members, learning_rate, step, workspace=None,
@@ -261,22 +306,27 @@ def as_computed(values):
 MAX_GROUP_ROWS = 2**30
 
 
-def _update_distinct(updater, table, slots, distinct, finite, values, step, rounding):
+def _update_distinct(updater, table, slots, distinct, finite, values, step, rounding,
+                     whole=None):
     """Gather, rule and scatter on the `Distinct` rows (skipped where not `finite`).
 
     Whole slots (`"column"`, `"table"`) are updated first, once, from the
     rule's contributions summed over every distinct row (`_update_whole`);
     the row rule then reads their new values.
 
-    `values`: the step's hyperparameters (`sparse_apply`), which the rule reads.
+    Args:
+        values: the step's hyperparameters (`sparse_apply`), which the rule reads.
+        whole: the whole slots' new values where they were updated already
+            (a row shard's step: `_finish_on_row_shards`); None: update them here.
     """
     learning_rate = values["learning_rate"]
     if backend.fused_apply(updater, table, slots, distinct, values, finite):
         return
-    kinds = {spec.name: spec for spec in updater.slots}
+    kinds = _kinds(updater)
     names = sorted(n for n in slots if kinds[n].per_row)
     index = precision.variable_indices(updater)  # each variable's own rounding bits
-    whole = _update_whole(updater, table, slots, names, distinct, finite, values, step)
+    if whole is None:
+        whole = _update_whole(updater, table, slots, names, distinct, finite, values, step)
 
     def update(variables, uniq, summed):
         table, state_vars = variables[0], dict(zip(names, variables[1:]))

@@ -16,7 +16,7 @@ from keras import ops
 
 from sparseopt import backend, compat, precision, storage, updaters
 from sparseopt.updaters import hyperparameters
-from sparseopt.distribution import layout_like
+from sparseopt.distribution import layout_like, replicated_beside
 from sparseopt.sparse_apply import (
     MAX_GROUP_ROWS, as_computed, finish, finish_group, prepare, prepare_group, sparse_apply)
 
@@ -83,14 +83,6 @@ class TableTrainer:
         table, prefix = self.table, self.table.path.replace("/", "_")
         self.rounding = precision.Rounding(self.storage.stochastic_rounding,
                                            self.storage.rounding_seed, index)
-        whole = [spec.name for spec in self.updater.whole_slots]
-        if whole and backend.row_shards(table) is not None:
-            raise ValueError(
-                f"DispatchOptimizer: table '{table.path}' is split by rows over devices, and "
-                f"its updater {type(self.updater).__name__} keeps whole-table state "
-                f"{whole}, which a row-sharded update does not support yet. Replicate the "
-                "table or split it by columns (`keras.distribution.LayoutMap`), or use a "
-                "rule whose state is per row.")
         for spec in self.updater.slots:
             shape = spec.shape(table.shape)
             self.slots[spec.name] = optimizer.add_variable(
@@ -98,7 +90,8 @@ class TableTrainer:
                 dtype=spec.dtype_for(self.storage.state_dtype),
                 # Per-row state is sharded like the table, so that updates stay
                 # local; whole state is replicated.
-                layout=layout_like(table, len(shape)) if spec.per_row else None,
+                layout=(layout_like(table, len(shape)) if spec.per_row
+                        else replicated_beside(table, len(shape))),
                 name=f"{prefix}_{spec.name}")
         self.skipped = optimizer.add_variable(
             shape=(), dtype="int32", initializer="zeros", name=f"{prefix}_skipped_steps")

@@ -99,6 +99,20 @@ def test_bfloat16_tables_round_as_on_one_device_bit_for_bit(runs, layout):
 
 
 @pytest.mark.parametrize("layout", ROWS)
+def test_whole_table_state_on_a_table_split_by_rows_trains_as_on_one_device(runs, layout):
+    """A rule with a `[D]` column slot and a scalar slot (summed over every
+    distinct row of the step) on a row-sharded table: the whole slots stay
+    replicated, are updated once a step from every shard's rows, and the
+    table and all its state end as on one device (to float rounding: the sums
+    are taken in another order)."""
+    got, want = _load(runs, f"{layout}_whole"), _load(runs, "single_whole")
+    assert got["replicated"].all()
+    assert want["rows_seen"] > 0 and np.all(want["column_sq"] != 1.0)  # trained
+    for key in ("table", "column_sq", "rows_seen", "row_sq"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("layout", ROWS)
 def test_ids_routed_to_their_owner_in_one_round_or_several_give_one_devices_result(
         runs, layout):
     """Each device sends each distinct id only to its owner, in fixed-size buckets:

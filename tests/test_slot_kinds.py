@@ -10,43 +10,14 @@ densely, on one device in one pass and in many chunks of distinct rows.
 import keras
 import numpy as np
 import pytest
-from keras import ops
 
 import sparseopt
 from sparseopt.updaters import SlotSpec
 from tests.conftest import to_np
+from tests.rules import ColumnScaledSGD
 from tests.helpers import batches, dot_loss, table_model
 
 VOCAB, WIDTH, IDS, STEPS, BATCH = 40, 3, 4, 6, 8
-
-
-class ColumnScaledSGD(sparseopt.updaters.Updater):
-    """SGD scaled per column by a running mean over all rows of squared gradients.
-
-    Whole-table state: `column_sq` (`[D]`): `beta * c + (1 - beta) * sum_rows(g^2) / V`;
-    `rows_seen` (scalar): distinct rows updated so far. Per row: `row_sq`
-    (`[V]`), the row's summed squared gradients.
-    """
-
-    def __init__(self, learning_rate=0.1, beta=0.5, name=None, **options):
-        super().__init__(learning_rate, name=name, **options)
-        self.hyperparameter("beta", beta, lambda v: 0 <= v < 1, "in [0, 1)")
-        self.slots = (SlotSpec("column_sq", kind="column", initial_value=1.0),
-                      SlotSpec("rows_seen", kind="table"),
-                      SlotSpec("row_sq", rowwise=True))
-
-    def contributions(self, rows, state, grads, step):
-        return {"column_sq": ops.square(grads), "rows_seen": ops.ones(ops.shape(grads)[:1])}
-
-    def update_whole(self, state, sums, num_rows, step):
-        beta = self.value("beta", step)
-        return {"column_sq": beta * state["column_sq"] + (1 - beta) * sums["column_sq"] / num_rows,
-                "rows_seen": state["rows_seen"] + sums["rows_seen"]}
-
-    def update(self, rows, state, grads, learning_rate, step):
-        scale = 1.0 / ops.sqrt(state["column_sq"] + 1e-3)  # this step's new column factor
-        return (rows - learning_rate * grads * scale,
-                {"row_sq": state["row_sq"] + ops.sum(ops.square(grads), axis=-1)})
 
 
 def numpy_replay(table, xs, ys, lr, beta, clipvalue=None):
@@ -147,18 +118,3 @@ def test_a_slots_initial_value_is_declared_like_any_rule_parameter():
             updater.initial_accumulator_value = 0.5
     assert sorted(found) == ["Adagrad", "AdagradMomentum", "FrequencyAwareAdagrad", "Ftrl",
                              "RowwiseAdagrad"]
-
-
-def test_whole_state_on_a_table_split_by_rows_is_refused_naming_the_table(monkeypatch):
-    """Not supported yet: refused when the optimizer is built, never run wrongly. (The
-    split is stood in for: `backend.row_shards` is what the build asks.)"""
-    from sparseopt import backend
-
-    model, emb = table_model(VOCAB, WIDTH, IDS, ColumnScaledSGD(0.2))
-    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)),
-                  loss=dot_loss)
-    monkeypatch.setattr(backend, "row_shards", lambda variable: ("mesh", "rows"))
-    with pytest.raises(ValueError, match=r"table 'emb/embeddings' is split by rows over "
-                                         r"devices.*whole-table state \['column_sq', "
-                                         r"'rows_seen'\]"):
-        model.optimizer.build(model.trainable_variables)

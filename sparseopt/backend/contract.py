@@ -57,9 +57,9 @@ CONTRACT = {
     "ROW_SHARDS": "whether tables can be split by rows over devices.",
     "row_shards": "`row_shards(variable)`: `(mesh, axis)` where its rows are split over one "
                   "mesh axis, else None (always None where not `ROW_SHARDS`).",
-    "on_row_shards": "`on_row_shards(apply, shards, updater, table, slots, record, values, "
+    "on_row_shards": "`on_row_shards(apply, shards, updater, table, slots, record, carried, "
                      "step, workspace, rounding)`: `apply` run on each shard with the ids it "
-                     "owns.",
+                     "owns; `slots` split by rows like the table, `carried` replicated.",
     # Replicas that each hold a copy (TF distribution strategies).
     "replica_strategy": "`replica_strategy()`: `(name, replicas, supported)` of a strategy whose "
                         "replicas each run their own copy of the step and hold their own copy "

@@ -57,7 +57,7 @@ def route_capacity(num_ids, shards):
     return max(1, min(num_ids, math.ceil(ROUTE_CAPACITY * share + 4 * math.sqrt(share))))
 
 
-def on_row_shards(apply, shards, updater, table, slots, record, hyper, step,
+def on_row_shards(apply, shards, updater, table, slots, record, carried, step,
                   workspace, rounding):
     """Runs `apply` on each row shard of `table`, with the ids that shard owns.
 
@@ -75,8 +75,10 @@ def on_row_shards(apply, shards, updater, table, slots, record, hyper, step,
       of the batch's rows, never of a table) and keeps its own.
 
     Each shard updates its blocks of the table, its state and its dedup
-    workspace in place, on its ids as local row numbers. `hyper` (the step's
-    hyperparameters, `{name: scalar}`) goes to every shard whole. Ids no shard owns
+    workspace in place, on its ids as local row numbers. `slots`: the state
+    split by rows like the table (whole-table state is replicated and
+    updated before, by `sparse_apply`). `carried` (the step's
+    hyperparameters, any pytree) goes to every shard whole. Ids no shard owns
     (invalid) are dropped. Stochastic rounding keys its bits by global row
     (`rounding.at_offset`).
     """
@@ -118,7 +120,7 @@ def on_row_shards(apply, shards, updater, table, slots, record, hyper, step,
         in_specs=(split, [split] * len(names), split, batch, batch, whole, whole),
         out_specs=(split, [split] * len(names), split, whole), check_vma=False,
     )(table.value, [slots[n].value for n in names], workspace.value, ids, grads,
-      hyper, step)
+      carried, step)
     table.assign(new_table)
     for name, value in zip(names, new_state):
         slots[name].assign(value)

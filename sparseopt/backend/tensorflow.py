@@ -192,7 +192,7 @@ def row_shards(variable):
     return None
 
 
-def on_row_shards(apply, shards, updater, table, slots, record, values, step, workspace,
+def on_row_shards(apply, shards, updater, table, slots, record, carried, step, workspace,
                   rounding):
     raise ValueError(f"Table '{table.path}': TensorFlow tables are never split by rows over "
                      "devices (`row_shards` is None for every table here).")

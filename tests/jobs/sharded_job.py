@@ -19,6 +19,8 @@ batches, in this one process, and leaves in OUT_DIR:
   table trained alone (`run_bfloat16`);
 - `<layout>_routing.npz`, `<layout>_routing.json` (the same): ids routed to
   their owner in one round and in several (`run_routing`);
+- `<layout>_whole.npz` (the same): a table whose rule keeps whole-table
+  state (`run_whole_slots`);
 - `reshard_<i>_{loaded,saved}.npz`: a run saved under one layout and loaded
   under the next (`reshard`);
 - `<layout>.json`: where the tables and their state live (bytes per device,
@@ -320,6 +322,47 @@ def run_bfloat16(layout, out):
         np.savez(os.path.join(out, f"{layout}_bfloat16.npz"), **saved)
 
 
+def run_whole_slots(layout, out):
+    """A table whose rule keeps whole-table state (`tests.rules.ColumnScaledSGD`: a
+    `[D]` column slot, a scalar, a per-row slot), trained alone on fixed row
+    gradients (some ids invalid, many duplicated).
+
+    The whole slots are replicated and updated once a step from every
+    shard's rows; the test compares each layout with one device.
+    """
+    from tests.rules import ColumnScaledSGD
+
+    keras.backend.clear_session(free_memory=False)
+    keras.distribution.set_distribution(distribution(layout))
+    keras.utils.set_random_seed(4)
+    rows, width, n_ids = 1024, 8, 4
+    ids_in = keras.Input((n_ids,), dtype="int32")
+    emb = sparseopt.layers.SparseEmbedding(rows, width, ColumnScaledSGD(0.2, clipvalue=0.5),
+                                           name="whole")
+    model = keras.Model(ids_in, emb(ids_in))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()),
+                  loss=lambda y, p: keras.ops.sum(y * p, axis=(1, 2)))
+    rng = np.random.default_rng(6)
+    x = rng.integers(-1, rows + 1, (BATCH * STEPS, n_ids)).astype("int32")
+    x[::3, 0] = x[::3, 1]  # duplicates within and across examples
+    y = rng.normal(size=(BATCH * STEPS, n_ids, width)).astype("float32")
+    model.fit(this_process(x), this_process(y), batch_size=BATCH // jax.process_count(),
+              shuffle=False, verbose=0)
+    state = model.optimizer.table_state(emb.embeddings)
+    saved = {"table": to_numpy(emb.embeddings.value),
+             **{name: to_numpy(v.value) for name, v in state.items()},
+             "replicated": np.array([fully_replicated(state[n]) for n in
+                                     ("column_sq", "rows_seen")])}
+    if jax.process_index() == 0:
+        np.savez(os.path.join(out, f"{layout}_whole.npz"), **saved)
+
+
+def fully_replicated(variable):
+    """Whether every device holds all of `variable` (one device: True)."""
+    sharding = getattr(variable.value, "sharding", None)
+    return sharding is None or sharding.is_fully_replicated
+
+
 def save_halfway(model, layout, out, x, y, fit):
     """Trains `model` on the first half of the steps and checkpoints it; returns the path.
 
@@ -448,6 +491,8 @@ def main():
             done(f"{layout} bfloat16")
             run_routing(layout, args.out)
             done(f"{layout} routing")
+            run_whole_slots(layout, args.out)
+            done(f"{layout} whole slots")
         if jax.process_count() == 1 and layout in ("single", "rows8"):
             run_controls(layout, args.out, x, y, init)
             done(f"{layout} controls")
