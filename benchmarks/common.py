@@ -1,4 +1,5 @@
-"""What every benchmark shares: the id generators and the recommender model builder.
+"""What every benchmark shares: table shapes, the id and click generators, and the
+recommender model builder.
 
 Each benchmark imports this module (they run as scripts from this folder,
 which Python puts first on the import path), so a change to how ids are drawn
@@ -7,6 +8,12 @@ or how the toy recommender is built reaches all of them.
 
 
 HOT_ROWS = 8192
+
+# Rows of the 26 categorical features of the Criteo Kaggle display advertising
+# challenge dataset (the counts DLRM's Kaggle preprocessing produces).
+CRITEO_KAGGLE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683,
+                 8351593, 3194, 27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15,
+                 286181, 105, 142572]
 
 
 def hot_ids(rng, rows, shape, hot_rows=HOT_ROWS, hot=None):
@@ -49,8 +56,39 @@ def zipf_ids(rng, rows, shape, a, start=1):
     return ((rng.zipf(a, size=shape) - start) % rows).astype("int32")
 
 
+def clicks(rng, table_rows, examples, dense_features, a=1.2):
+    """Synthetic click data with a signal a model can learn, for quality comparisons.
+
+    Each table's ids are Zipf(`a`)-skewed (`zipf_ids`); each id has a hidden
+    propensity, and the click probability is the logistic of those of the
+    example's ids plus a linear function of the dense features.
+
+    Args:
+        rng: a NumPy `Generator`.
+        table_rows: `{name: rows}`.
+        examples: how many examples.
+        dense_features: how many dense features (input `dense`).
+        a: the Zipf exponent of the ids.
+
+    Returns:
+        `(x, y)`: `{name: int32 [examples, 1], "dense": float32 [examples, dense_features]}`
+        and float32 labels `[examples, 1]`.
+    """
+    import numpy as np
+
+    x = {"dense": rng.normal(size=(examples, dense_features)).astype("float32")}
+    logit = x["dense"] @ rng.normal(scale=0.3, size=dense_features) - 1.0
+    for name, rows in table_rows.items():
+        x[name] = zipf_ids(rng, rows, (examples, 1), a)
+        propensity = rng.normal(scale=0.6, size=rows)
+        logit += propensity[x[name][:, 0]] / np.sqrt(len(table_rows) / 4)
+    y = rng.random(examples) < 1 / (1 + np.exp(-logit))
+    return x, y.astype("float32")[:, None]
+
+
 def recommender(tables, width, *, sparse=True, combiner="sum", initializer="uniform",
-                dense_features=0, bottom=None, top=(), loss="mse", dense_optimizer=None):
+                dense_features=0, bottom=None, top=(), loss="mse", dense_optimizer=None,
+                metrics=None, table_dtype=None, storage=None):
     """The toy recommender every benchmark trains, compiled.
 
     One input `<name>` per table (ids `[batch, bag]`; a model of one table and
@@ -72,6 +110,9 @@ def recommender(tables, width, *, sparse=True, combiner="sum", initializer="unif
         top: units of the hidden layers on top.
         loss: the Keras loss.
         dense_optimizer: the Keras optimizer of the dense layers (default Adam 1e-3).
+        metrics: Keras metrics to compile with.
+        table_dtype: the sparseopt tables' dtype (None: float32).
+        storage: the sparseopt tables' `sparseopt.TableStorage` (None: the default).
 
     Returns:
         The compiled `keras.Model`.
@@ -87,7 +128,8 @@ def recommender(tables, width, *, sparse=True, combiner="sum", initializer="unif
         if sparse:
             pooled.append(sparseopt.layers.SparseEmbedding(
                 rows, width, updater=rule, combiner=combiner, name=f"{name}_table",
-                embeddings_initializer=initializer)(inputs[name]))
+                embeddings_initializer=initializer, dtype=table_dtype,
+                storage=storage)(inputs[name]))
         else:
             rows_read = keras.layers.Embedding(rows, width, name=f"{name}_table",
                                                embeddings_initializer=initializer)(inputs[name])
@@ -109,5 +151,5 @@ def recommender(tables, width, *, sparse=True, combiner="sum", initializer="unif
     else:
         optimizer = keras.optimizers.MultiOptimizer(
             keras.optimizers.OptimizerMap(dense_optimizer, table_optimizers))
-    model.compile(optimizer=optimizer, loss=loss)
+    model.compile(optimizer=optimizer, loss=loss, metrics=metrics)
     return model

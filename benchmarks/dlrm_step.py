@@ -60,11 +60,7 @@ from children import StepTimer, answer, drive, memory_mb, reset_peak_memory
 HERE = pathlib.Path(__file__).parent
 RESULTS = HERE / "results"
 
-# Rows of the 26 categorical features of the Criteo Kaggle display advertising
-# challenge dataset (the counts DLRM's Kaggle preprocessing produces).
-CRITEO_KAGGLE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683,
-                 8351593, 3194, 27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15,
-                 286181, 105, 142572]
+CRITEO_KAGGLE = common.CRITEO_KAGGLE
 MULTIHOT_ROWS = max(CRITEO_KAGGLE)
 BAG = 20
 DENSE_FEATURES = 13

@@ -1,16 +1,18 @@
-"""16-bit tables: the demo DLRM in float32, bfloat16 rounded to nearest, and bfloat16
-with stochastic rounding, side by side in one run.
+"""16-bit tables: a Criteo-shaped DLRM in float32, bfloat16 rounded to nearest, and
+bfloat16 with stochastic rounding, side by side in one run.
 
-    python benchmarks/precision.py --quick   # 600k examples: ~2 min a backend
-    python benchmarks/precision.py           # the demo's 2.4M examples: ~5 min a backend
+    python benchmarks/precision.py --quick   # 600k examples: ~4 min a backend
+    python benchmarks/precision.py           # 2.4M examples: ~8 min a backend
 
-Each variant trains the demo's model (examples/dlrm_synthetic.py: 26 tables,
-4 to 1,000,000 rows, width 16; row-wise Adagrad, Adagrad and FTRL tables;
-Adam for the dense layers) from the same initial weights on the same one pass
-of synthetic clicks, with the validation loss and AUC after each chunk.
-Variants:
+Each variant trains the same recommender (`common.recommender`: 26 tables with
+the Criteo Kaggle row counts capped at 300,000 rows, width 16, one id each;
+row-wise Adagrad for tables of 300,000 rows or more, Adagrad from 1,000, FTRL
+below; a bottom layer over 13 dense features, two top layers, Adam for the
+dense layers) from the same initial weights on the same one pass of synthetic
+clicks (`common.clicks`: Zipf-skewed ids, each with a hidden propensity), with
+the validation loss and AUC after each chunk. Variants:
 
-- `float32`: the demo as it is;
+- `float32`: float32 tables;
 - `bfloat16, nearest`: bfloat16 tables, float32 state, rounded to nearest
   (`stochastic_rounding=False`);
 - `bfloat16, stochastic`: bfloat16 tables, float32 state, stochastic
@@ -30,21 +32,17 @@ import argparse
 import json
 import os
 import pathlib
-import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
-HERE = pathlib.Path(__file__).parent
-sys.path.insert(0, str(HERE.parent / "examples"))
-
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+import common  # noqa: E402
 import sparseopt  # noqa: E402
-from dlrm_common import (  # noqa: E402
-    TABLE_SIZES, VALIDATION_EXAMPLES, build_dlrm, split_at, synthetic_clicks, variables_bytes)
 
+HERE = pathlib.Path(__file__).parent
 RESULTS = HERE / "results"
 VARIANTS = {
     "float32": (None, {}),
@@ -53,21 +51,40 @@ VARIANTS = {
     "bfloat16, bf16 state, stochastic": ("bfloat16", {"state_dtype": "bfloat16"}),
     "float16, stochastic": ("float16", {}),
 }
-WIDTH, BATCH = 16, 1024
+WIDTH, BATCH, DENSE_FEATURES = 16, 1024, 13
+ROWS_CAP = 300_000
+TABLE_ROWS = {f"c{i}": min(rows, ROWS_CAP) for i, rows in enumerate(common.CRITEO_KAGGLE)}
+VALIDATION_EXAMPLES = 50_000
+
+
+def updater_for(rows):
+    """Row-wise state for the largest tables, full Adagrad for mid-sized, FTRL for small."""
+    if rows >= 300_000:
+        return sparseopt.updaters.RowwiseAdagrad(0.05)
+    if rows >= 1_000:
+        return sparseopt.updaters.Adagrad(0.05)
+    return sparseopt.updaters.Ftrl(0.05, l2_regularization_strength=1e-4)
 
 
 def build(name, init=None):
     keras.utils.set_random_seed(0)
     table_dtype, storage = VARIANTS[name]
-    model = build_dlrm(TABLE_SIZES, WIDTH, sparse=True, table_dtype=table_dtype,
-                       storage=storage)
-    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam(1e-3)),
-                  loss="binary_crossentropy", metrics=[keras.metrics.AUC(name="auc")])
+    model = common.recommender(
+        {name_: (rows, updater_for(rows), 1) for name_, rows in TABLE_ROWS.items()}, WIDTH,
+        dense_features=DENSE_FEATURES, bottom=64, top=(128, 64),
+        loss=keras.losses.BinaryCrossentropy(from_logits=True),
+        metrics=[keras.metrics.AUC(from_logits=True, name="auc")],
+        table_dtype=table_dtype, storage=sparseopt.TableStorage(**storage))
     if init is not None:  # the float32 model's initial weights, stored as each variant stores
         for v, value in zip(model.weights, init):
             v.assign(value)
     model.optimizer.build(model.trainable_variables)
     return model
+
+
+def variables_bytes(variables):
+    """Bytes of `variables`, at their dtypes."""
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
 
 
 def memory(model):
@@ -159,7 +176,7 @@ def plot(curves, path, backend):
         ax.set_xlabel("examples seen (one pass)")
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.suptitle(f"DLRM demo model, 26 tables, width {WIDTH}: table precision ({backend})")
+    fig.suptitle(f"Criteo-shaped DLRM, 26 tables, width {WIDTH}: table precision ({backend})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -173,9 +190,12 @@ def main():
     examples = args.examples or (600_000 if args.quick else 2_400_000)
     backend = keras.backend.backend()
     print(f"precision benchmark: {backend}, {examples:,} examples, batch {BATCH:,}, "
-          f"{len(TABLE_SIZES)} tables x width {WIDTH}", flush=True)
-    data, labels, _ = synthetic_clicks(examples + VALIDATION_EXAMPLES, TABLE_SIZES)
-    (x, val_x), (y, val_y) = split_at(data, examples), split_at(labels, examples)
+          f"{len(TABLE_ROWS)} tables ({sum(TABLE_ROWS.values()):,} rows) x width {WIDTH}", flush=True)
+    data, labels = common.clicks(np.random.default_rng(0), TABLE_ROWS,
+                                 examples + VALIDATION_EXAMPLES, DENSE_FEATURES)
+    x, val_x = ({k: v[:examples] for k, v in data.items()},
+                {k: v[examples:] for k, v in data.items()})
+    y, val_y = labels[:examples], labels[examples:]
     names = list(VARIANTS)
     curves, memories = train(names, x, y, val_x, val_y, examples, args.chunks)
     ms = step_times(names, x, y, rounds=5 if args.quick else 8, steps=20)
