@@ -4,7 +4,7 @@ Layers declare which updater trains each table (`variable_path_to_optimizer_map`
 `DispatchOptimizer` wraps a standard Keras optimizer for everything else.
 """
 
-from sparseopt import callbacks, distribution, layers, ops, saving, updaters
+from sparseopt import callbacks, distribution, layers, ops, saving, updaters, vocabulary
 from sparseopt.dispatch_optimizer import DispatchOptimizer
 from sparseopt.storage import TableStorage
 from sparseopt.table_trainer import TableTrainer
@@ -12,4 +12,4 @@ from sparseopt.table_trainer import TableTrainer
 __version__ = "0.2.0"
 
 __all__ = ["DispatchOptimizer", "TableStorage", "TableTrainer", "callbacks", "distribution",
-           "layers", "ops", "saving", "updaters"]
+           "layers", "ops", "saving", "updaters", "vocabulary"]

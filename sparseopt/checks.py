@@ -177,3 +177,23 @@ def replicas(tables):
             "train on one device, or shard the tables on JAX with keras.distribution "
             "(see sparseopt.distribution.row_sharded)."
         )
+
+
+def open_vocabularies(tables, accumulation_steps):
+    """Refuses what open-vocabulary tables (`DynamicEmbedding`) do not support yet.
+
+    Args:
+        tables: the paths of the tables with an open vocabulary.
+        accumulation_steps: the optimizer's `gradient_accumulation_steps`.
+    """
+    if not tables:
+        return
+    if accumulation_steps:
+        raise ValueError(
+            f"DispatchOptimizer: the open-vocabulary tables {tables} (DynamicEmbedding) do "
+            "not support gradient_accumulation_steps yet: their map admits ids step by "
+            "step. Train them with a larger batch instead.")
+    if backend.replica_strategy() is not None:
+        raise ValueError(
+            f"DispatchOptimizer: the open-vocabulary tables {tables} (DynamicEmbedding) do "
+            "not support tf.distribute strategies yet. Train on one device, or on JAX.")

@@ -103,10 +103,10 @@ def random_bits(key, step, ids, width):
         width: the number of columns.
     """
     u32 = "uint32"
-    at_step = _mix(ops.bitwise_xor(np.uint32(key), ops.cast(step, u32)))
-    per_row = _mix(ops.bitwise_xor(at_step, ops.cast(ids, u32)))
+    at_step = mix32(ops.bitwise_xor(np.uint32(key), ops.cast(step, u32)))
+    per_row = mix32(ops.bitwise_xor(at_step, ops.cast(ids, u32)))
     column = ops.cast(ops.arange(width, dtype="int32"), u32) * np.uint32(_GOLDEN)
-    return _mix(ops.expand_dims(per_row, 1) + ops.expand_dims(column, 0))
+    return mix32(ops.expand_dims(per_row, 1) + ops.expand_dims(column, 0))
 
 
 def stochastic_round(values, dtype, bits):
@@ -141,7 +141,7 @@ def stochastic_round(values, dtype, bits):
     return ops.where(values < 0, -rounded, rounded)
 
 
-def _mix(x):
+def mix32(x):
     """murmur3's 32-bit finalizer on a uint32 tensor."""
     x = ops.bitwise_xor(x, ops.right_shift(x, 16)) * np.uint32(_M1)
     x = ops.bitwise_xor(x, ops.right_shift(x, 13)) * np.uint32(_M2)

@@ -21,6 +21,10 @@ from sparseopt import checks
 from sparseopt.updaters import Updater
 
 DENSE, TABLE, INSTALLED, PROBE = "dense", "table", "installed", "probe"
+# State a table's lookup keeps that its trainer writes (an open vocabulary's
+# hand-over, `DynamicEmbedding`): trainable only so that JAX's stateless step
+# may write it; never trained.
+BOOKKEEPING = "bookkeeping"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +33,7 @@ class Route:
 
     Args:
         variable: the Keras variable.
-        kind: `DENSE`, `TABLE`, `INSTALLED` or `PROBE`.
+        kind: `DENSE`, `TABLE`, `INSTALLED`, `PROBE` or `BOOKKEEPING`.
         target: the Keras optimizer (`DENSE`) or `Updater` (`TABLE`); None
             otherwise.
         owner: who assigned `target`, for messages (None for the default
@@ -67,6 +71,9 @@ def plan(variables, declared, optimizer_map, default_optimizer):
     for var in variables:
         if getattr(var, "_sparseopt_probe_of", None) is not None:
             routes.append(Route(var, PROBE))
+            continue
+        if getattr(var, "_sparseopt_bookkeeping_of", None) is not None:
+            routes.append(Route(var, BOOKKEEPING))
             continue
         if getattr(var, "overwrite_with_gradient", False):
             # keras-rs SparseCore tables, slots and step counter: their

@@ -32,11 +32,15 @@ class RowGrads:
         grads: `[N, width]` gradient of each id, or `BagGrads`.
         calls: how many lookup calls' backward passes recorded them (a
             Python int; 1 where the gradients came another way).
+        changed: for an open vocabulary, the rows its lookup gave to new ids
+            in this step (`sparseopt.vocabulary.Proposals`), which the
+            optimizer resets if it applies the step; None otherwise.
     """
 
     ids: Any
     grads: Any
     calls: int = 1
+    changed: Any = None
 
     def scaled(self, factor):
         """The same record with every gradient times the scalar `factor`."""
@@ -59,6 +63,11 @@ class RowGrads:
         """Several records of one table (or a group's tables) as one, in order."""
         if len(records) == 1:
             return records[0]
+        if any(r.changed is not None for r in records):
+            raise ValueError(
+                f"An open-vocabulary table was looked up {len(records)} times in one step; "
+                "its map admits ids once per step. Look all of a step's ids up in one call "
+                "(concatenate them).")
         return RowGrads(ops.concatenate([r.ids for r in records], axis=0),
                         concatenate([r.grads for r in records]),
                         sum(r.calls for r in records))

@@ -66,6 +66,11 @@ class TableTrainer:
         self._optimizer = None  # weak reference to the optimizer that built it
 
     @property
+    def vocabulary(self):
+        """The table's open vocabulary (`DynamicEmbedding`), or None."""
+        return getattr(getattr(self.source, "lookup", None), "vocabulary", None)
+
+    @property
     def name(self):
         """The table's path."""
         return self.table.path
@@ -81,6 +86,11 @@ class TableTrainer:
                 stochastic rounding draws its own bits).
         """
         table, prefix = self.table, self.table.path.replace("/", "_")
+        if self.vocabulary is not None and backend.row_shards(table) is not None:
+            raise ValueError(
+                f"DispatchOptimizer: table '{table.path}' has an open vocabulary "
+                "(DynamicEmbedding) and is split by rows over devices, which is not supported "
+                "yet. Replicate it (leave it out of the LayoutMap).")
         self.rounding = precision.Rounding(self.storage.stochastic_rounding,
                                            self.storage.rounding_seed, index)
         for spec in self.updater.slots:
@@ -184,6 +194,13 @@ class TableTrainer:
                                values["learning_rate"], iteration + 1, self.workspace,
                                self.rounding, values)
         self.count_skipped(applied)
+        self._accept(record, applied, iteration)
+
+    def _accept(self, record, applied, iteration):
+        """An open vocabulary's rows given to new ids start afresh (if `applied`)."""
+        if self.vocabulary is not None and record.changed is not None:
+            self.vocabulary.accept(record.changed, applied, self.table, self.slots,
+                                   self.updater.slots, iteration + 1)
 
     def prepare(self, record):
         """The step's ids deduplicated and their gradients summed (`sparse_apply.Prepared`).
@@ -206,6 +223,7 @@ class TableTrainer:
         applied = finish(self.updater, self.table, self.slots, prepared, values, iteration + 1,
                          self.workspace, self.rounding, factor)
         self.count_skipped(applied)
+        self._accept(prepared.record, applied, iteration)
 
     def count_skipped(self, applied):
         """Counts the step as skipped unless `applied` (a boolean scalar tensor)."""
@@ -277,8 +295,8 @@ class TableTrainer:
         table placed by a `keras.distribution` stays alone: its update is
         laid out by its own sharding.
         """
-        if compat.layout_of(self.table) is not None:
-            return None
+        if compat.layout_of(self.table) is not None or self.vocabulary is not None:
+            return None  # (an open vocabulary's step continues after the rule)
         updater = self.updater
         cls = type(updater)
         if updaters.registry(shipped_only=True).get(cls.__name__) is cls:

@@ -113,6 +113,24 @@ def test_a_step_of_more_distinct_ids_than_one_pass_takes_is_in_place_too():
     assert_no_vocab_work(vocab_sized_work(model, data))
 
 
+def test_an_open_vocabulary_step_does_no_vocab_work():
+    """`DynamicEmbedding`: its map (`[V, 2]` ids, `[V]` last-seen steps) is read by
+    gathers and written in place like the table, ids admitted and evicted inside
+    the step. (Its temporaries, sized by the batch's ids x `probes`, are kept well
+    under the bound with a batch of 32.)"""
+    ids = keras.Input((N_IDS,), dtype="int32")
+    emb = sparseopt.layers.DynamicEmbedding(V, D, sparseopt.updaters.Adagrad(0.1), name="emb",
+                                            admissions_per_step=512)
+    model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(emb(ids))))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam()), loss="mse")
+    x = np.random.default_rng(0).integers(-2**31, 2**31 - 1, (32, N_IDS)).astype("int32")
+    y = np.ones((32, 1), "float32")
+    model.train_on_batch(x, y)
+    model.train_on_batch(x[::-1], y)  # the first batch's ids are written, and found
+    assert emb.vocabulary_stats()["admitted"] == 32 * N_IDS
+    assert_no_vocab_work(vocab_sized_work(model, (x, y)))
+
+
 def test_sparse_step_under_loss_scaling_does_no_vocab_work():
     opt = keras.optimizers.LossScaleOptimizer(
         sparseopt.DispatchOptimizer(keras.optimizers.Adam(global_clipnorm=1.0)))

@@ -51,6 +51,13 @@ CONTRACT = {
     "gather": "`gather(value, ids)`: touched rows of an array (ids clamped).",
     "scatter": "`scatter(variable, ids, rows)`: rows written in place (ids past the end "
                "dropped).",
+    "scatter_where": "`scatter_where(variable, ids, rows, keep)`: the rows where `keep` "
+                     "written in place (the others not written; ids may repeat with equal "
+                     "rows).",
+    "lexsort": "`lexsort(keys)`: the order that sorts int32 `[N]` arrays `keys` together, the "
+               "first most significant (ties in every key: any order).",
+    "STATEFUL_APPLY": "whether an optimizer step may write any variable (TF); where not "
+                      "(JAX's stateless apply), only trainable and optimizer variables.",
     "bitcast": "`bitcast(values, dtype)`: the same bits as another 32-bit dtype (float32 and "
                "uint32, for stochastic rounding).",
     # Tables split by rows over devices (JAX `keras.distribution`).

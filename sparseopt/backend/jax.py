@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from sparseopt.backend import jax_sharding
-from sparseopt.backend.jax_rows import (  # noqa: F401 (bitcast, gather, scatter: the contract)
-    Held, bitcast, distinct_padding, gather, gather_rows, padding_ids, scatter)
+from sparseopt.backend.jax_rows import (  # noqa: F401 (bitcast, gather, scatter...: the contract)
+    Held, bitcast, distinct_padding, gather, gather_rows, lexsort, padding_ids, scatter,
+    scatter_where)
 from sparseopt.backend.jax_sharding import ROW_SHARDS, on_row_shards, row_shards  # noqa: F401
 from sparseopt.row_grads import Distinct
 
@@ -43,6 +44,11 @@ def tap(rows, probe, ids, on_backward, aux=None):
 # Keras' JAX train step differentiates `model.trainable_variables`: a lookup's
 # probe can be layer state that is not a weight (see SparseLookup).
 PROBE_IS_WEIGHT = False
+
+# Keras' JAX train step applies the optimizer statelessly: it returns the new
+# values of the trainable and optimizer variables only (a write to other
+# layer state there would be lost).
+STATEFUL_APPLY = False
 
 
 # Dedup writes into a persistent int32 `workspace` with one entry per row

@@ -45,6 +45,19 @@ def scatter(variable, ids, rows):
     variable.assign(_as_stored(new, value.dtype))
 
 
+def scatter_where(variable, ids, rows, keep):
+    value = variable.value
+    ids = jnp.where(keep, ids, value.shape[0])  # past the end: dropped
+    new = _as_bits(value).at[ids].set(_as_bits(rows.astype(value.dtype)), mode="drop")
+    variable.assign(_as_stored(new, value.dtype))
+
+
+def lexsort(keys):
+    operands = [k.astype(jnp.int32) for k in keys]
+    order = jnp.arange(operands[0].shape[0], dtype=jnp.int32)
+    return jax.lax.sort((*operands, order), num_keys=len(operands))[-1]
+
+
 # XLA:CPU has no bfloat16 scatter: it converts the whole table to float32 and
 # back around it, every step (2M x 8 rows: 22 ms and 64 MB, against 0.03 ms
 # in float32; float16 is native). Scattering the bits as uint16 halves that,

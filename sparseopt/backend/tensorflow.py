@@ -353,6 +353,24 @@ def scatter(variable, ids, rows):
     var.scatter_update(tf.IndexedSlices(tf.cast(rows, var.dtype), ids))
 
 
+def scatter_where(variable, ids, rows, keep):
+    # TF's scatter refuses ids past the end: the rows not kept are left out.
+    scatter(variable, tf.boolean_mask(ids, keep), tf.boolean_mask(rows, keep))
+
+
+def lexsort(keys):
+    # Stable sorts from the least significant key up.
+    order = tf.range(tf.shape(keys[0])[0], dtype=tf.int32)
+    for key in reversed(keys):
+        order = tf.gather(order, tf.argsort(tf.gather(key, order), stable=True))
+    return order
+
+
+# Keras' TF optimizers run eagerly or in a graph on real variables: an
+# optimizer step may write any variable.
+STATEFUL_APPLY = True
+
+
 def run_if(pred, fn, variables):
     """Runs `fn()` (which assigns variables) where `pred` holds, else nothing (`tf.cond`).
 

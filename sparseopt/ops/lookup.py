@@ -76,7 +76,7 @@ class SparseLookup:
         self.storage = storage_lib.from_argument(storage, f"SparseLookup of '{table.path}'")
         base = table.name.replace("/", "_")
         self.num_dropped_ids = _layer_state(layer, f"{base}_dropped_ids", "int32", False)
-        guard = _PlainOptimizerGuard(layer.name, table.path)
+        guard = PlainOptimizerGuard(layer.name, table.path)
         if backend.PROBE_IS_WEIGHT:
             self.probe = layer.add_weight(
                 shape=(), initializer="zeros", trainable=True, name=f"{base}_sparse_grad",
@@ -93,6 +93,9 @@ class SparseLookup:
         self._records = {}  # replica -> [(trace, RowGrads)] from backward passes
         self._dropped = {}  # replica -> records a forward pass of another trace discarded
         self._sizes = {}  # replica -> (trace, static id count of each call in it)
+        # An open vocabulary (`sparseopt.vocabulary.OpenVocabulary`) when the
+        # ids are rows its map gave (`DynamicEmbedding`); None for fixed tables.
+        self.vocabulary = None
         table._sparseopt_lookup = self
         self.probe._sparseopt_probe_of = self
 
@@ -147,13 +150,22 @@ class SparseLookup:
         """Boolean mask of the ids inside `[0, num_rows)`."""
         return ops.logical_and(ops.greater_equal(ids, 0), ops.less(ids, self.table.shape[0]))
 
-    def __call__(self, ids):
-        """Returns `table[ids]`, shape `ids.shape + (width,)`; invalid ids give 0."""
-        valid, safe_ids, update_ids = self._prepare(ids)
-        rows = ops.where(ops.expand_dims(valid, -1), self._read(safe_ids), 0.0)
-        return backend.tap(rows, self.probe.value, update_ids, self._on_backward)
+    def __call__(self, ids, changed=None):
+        """Returns `table[ids]`, shape `ids.shape + (width,)`; invalid ids give 0.
 
-    def pooled(self, ids, combiner="sum"):
+        Args:
+            ids: int rows.
+            changed: rows an open vocabulary gave to new ids in this call
+                (`sparseopt.vocabulary.Proposals`), recorded with the row
+                gradients (`RowGrads.changed`); its ids outside the table are
+                ids it does not hold, not counted as dropped.
+        """
+        valid, safe_ids, update_ids = self._prepare(ids, count_dropped=changed is None)
+        rows = ops.where(ops.expand_dims(valid, -1), self._read(safe_ids), 0.0)
+        return backend.tap(rows, self.probe.value, update_ids, self._on_backward,
+                           aux=(None, changed))
+
+    def pooled(self, ids, combiner="sum", changed=None):
         """The rows of each bag of ids (the last axis), summed or averaged.
 
         Same as reducing `self(ids)` over its id axis, but the backward pass
@@ -166,6 +178,7 @@ class SparseLookup:
             ids: int ids `[..., bag]`; invalid ids read zero and count 0 in a mean.
             combiner: `"sum"` or `"mean"` (over the valid ids of a bag; an
                 empty bag gives zeros).
+            changed: as for `__call__`.
 
         Returns:
             `[..., width]` in the layer's compute dtype.
@@ -173,19 +186,19 @@ class SparseLookup:
         if compat.layout_of(self.table) is not None:
             # Placed by a keras.distribution: read id by id, so that what
             # crosses devices stays what the sharded update path expects.
-            rows = self(ids)
+            rows = self(ids, changed=changed)
             weight = ops.cast(self.valid(ids), rows.dtype)
             if combiner == "mean":
                 weight = weight / ops.maximum(ops.sum(weight, axis=-1, keepdims=True), 1.0)
             return ops.sum(rows * ops.expand_dims(weight, -1), axis=-2)
-        valid, safe_ids, update_ids = self._prepare(ids)
+        valid, safe_ids, update_ids = self._prepare(ids, count_dropped=changed is None)
         weight = ops.cast(valid, self.compute_dtype)
         if combiner == "mean":
             weight = weight / ops.maximum(ops.sum(weight, axis=-1, keepdims=True), 1.0)
         with compat.read_as_stored():
             pooled = backend.read_pooled(self.table, safe_ids, weight, self.compute_dtype)
         return backend.tap(pooled, self.probe.value, update_ids, self._on_backward_pooled,
-                           aux=ops.reshape(weight, (-1,)))
+                           aux=(ops.reshape(weight, (-1,)), changed))
 
     def ids_per_step(self):
         """How many ids the last forward pass with a known batch shape looked up.
@@ -205,15 +218,16 @@ class SparseLookup:
             self._sizes[replica] = (token, [])  # eager: each call is a pass
         self._sizes[replica][1].append(count)
 
-    def _prepare(self, ids):
+    def _prepare(self, ids, count_dropped=True):
         """Checks `ids`, counts the dropped ones; `(valid, ids to read, ids to update)`."""
         check_ids_dtype(ids, self.layer_name, self.table.path)
         self._forget_other_traces(ids)
         self._record_size(ids)
         valid = self.valid(ids)
-        dropped = ops.sum(ops.cast(ops.logical_not(valid), "int32"))
-        # Every replica (TF MirroredStrategy) counts the whole step's, in its copy.
-        self.num_dropped_ids.assign_add(backend.sum_over_replicas(dropped))
+        if count_dropped:
+            dropped = ops.sum(ops.cast(ops.logical_not(valid), "int32"))
+            # Every replica (TF MirroredStrategy) counts the whole step's, in its copy.
+            self.num_dropped_ids.assign_add(backend.sum_over_replicas(dropped))
         safe_ids = ops.where(valid, ids, 0)
         update_ids = ops.reshape(ops.where(valid, ids, self.table.shape[0]), (-1,))
         return valid, safe_ids, update_ids
@@ -223,17 +237,19 @@ class SparseLookup:
             rows = backend.read_rows(self.table, safe_ids)
         return ops.cast(rows, self.compute_dtype)
 
-    def _on_backward(self, ids, grads, aux=None):
+    def _on_backward(self, ids, grads, aux):
         width = self.table.shape[1]
-        self._record(grads, RowGrads(ops.reshape(ids, (-1,)), ops.reshape(grads, (-1, width))))
+        self._record(grads, RowGrads(ops.reshape(ids, (-1,)), ops.reshape(grads, (-1, width)),
+                                     changed=aux[1]))
 
-    def _on_backward_pooled(self, ids, grads, weight):
+    def _on_backward_pooled(self, ids, grads, aux):
+        weight, changed = aux
         values = ops.reshape(grads, (-1, self.table.shape[1]))
         # Ids are flattened bag by bag: id i is in bag i // (ids per bag).
         n, bags = ops.shape(ids)[0], ops.shape(values)[0]
         per_bag = ops.maximum(ops.floor_divide(n, ops.maximum(bags, 1)), 1)
         bag = ops.floor_divide(ops.arange(n, dtype="int32"), ops.cast(per_bag, "int32"))
-        self._record(grads, RowGrads(ids, BagGrads(values, bag, weight)))
+        self._record(grads, RowGrads(ids, BagGrads(values, bag, weight), changed=changed))
 
     def _record(self, traced, record):
         self._records.setdefault(backend.replica_id(), []).append(
@@ -275,7 +291,7 @@ def _layer_state(layer, name, dtype, trainable):
     return variable
 
 
-class _PlainOptimizerGuard(keras.constraints.Constraint):
+class PlainOptimizerGuard(keras.constraints.Constraint):
     """Constraint of the probe that refuses training by a plain optimizer.
 
     Keras optimizers call a variable's constraint right after updating it.

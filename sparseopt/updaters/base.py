@@ -67,7 +67,9 @@ class SlotSpec:
     per-row contributions (`Updater.contributions`) over all its distinct
     rows, then updates them once (`Updater.update_whole`), and the row rule
     reads their new value. They are replicated, never reset with a row, and
-    kept in float32 unless `dtype` says otherwise.
+    kept in float32 unless `dtype` says otherwise. Per-row kinds start afresh
+    (`initial_value`, or the step where `holds_step`) when an open
+    vocabulary gives their row to a new id.
 
     Args:
         name: slot name, e.g. `"accumulator"`.
@@ -79,6 +81,9 @@ class SlotSpec:
             set) for per-row kinds, float32 for whole kinds.
         kind: `"entry"` (`[V, D]`, the default), `"row"` (`[V]`), `"column"`
             (`[D]`) or `"table"` (a scalar).
+        holds_step: the slot holds a step number (`lazy=False`'s last update):
+            a row given to a new id (an open vocabulary) starts it at the
+            current step instead of `initial_value`.
     """
 
     name: str
@@ -86,6 +91,7 @@ class SlotSpec:
     initial_value: float = 0.0
     dtype: str = None  # None: the table's state_dtype (per-row kinds), else float32
     kind: str = None  # None: "row" if rowwise else "entry"
+    holds_step: bool = False
 
     def __post_init__(self):
         kind = self.kind or (ROW if self.rowwise else ENTRY)
@@ -134,7 +140,8 @@ class SparseCoreSpec:
 
 
 # Where `lazy=False` or `ema_momentum`: the step that last updated each row (0: never).
-LAST_STEP = SlotSpec(catch_up.LAST_STEP_SLOT, rowwise=True, initial_value=0, dtype="int32")
+LAST_STEP = SlotSpec(catch_up.LAST_STEP_SLOT, rowwise=True, initial_value=0, dtype="int32",
+                     holds_step=True)
 # Where `ema_momentum`: the row's moving average minus the row, as of its last update.
 EMA_OFFSET = SlotSpec(catch_up.EMA_OFFSET_SLOT)
 

@@ -1,0 +1,138 @@
+"""`DynamicEmbedding`: a table keyed by raw ids, with admission and eviction."""
+
+import keras
+from keras import ops
+
+from sparseopt import backend, compat
+from sparseopt.layers.sparse_embedding import SparseEmbedding
+from sparseopt.ops.lookup import PlainOptimizerGuard
+from sparseopt.vocabulary import keys as keys_lib
+from sparseopt.vocabulary import new_rows
+from sparseopt.vocabulary.open_vocabulary import OpenVocabulary
+
+
+@keras.saving.register_keras_serializable(package="sparseopt")
+class DynamicEmbedding(SparseEmbedding):
+    """An embedding table for an open vocabulary: ids of any value, `capacity` rows.
+
+    Each id that qualifies (`admit_probability`) gets a row of its own, found
+    through a map kept in the layer's variables (open addressing in the
+    table's own rows, `probes` rows per id); ids not held read zeros and
+    their gradients go nowhere. When an id's window is full, the row seen
+    longest ago is given to it (`eviction="lru"`), and that row and its
+    per-row optimizer state start afresh. The map is updated inside the
+    compiled step, after the optimizer's step: a skipped step admits and
+    evicts nothing. See docs/open_vocabularies.md.
+
+    Train with `sparseopt.DispatchOptimizer` (the layer declares its updater).
+
+    Args:
+        capacity: the table's rows: at most this many ids hold a row at once.
+        output_dim: embedding width.
+        updater: a `sparseopt.updaters.Updater` for the table.
+        embeddings_initializer: how rows start, at build and when given to a
+            new id: `RandomUniform` (`"uniform"`), `RandomNormal`, `Zeros`,
+            `Ones` or `Constant`.
+        combiner: None, `"sum"` or `"mean"`, as for `SparseEmbedding`.
+        storage: as for `SparseEmbedding`.
+        key_halves: ids come as int32 `[..., 2]` `(high, low)` halves of
+            64-bit ids (`sparseopt.vocabulary.keys.split_int64`): how to feed
+            64-bit ids on JAX. Otherwise ids are int32 (or int64 on
+            TensorFlow) of any value.
+        probes, admit_probability, eviction, ttl, seed, admissions_per_step,
+            placement_rounds: as for `sparseopt.vocabulary.OpenVocabulary`.
+        **kwargs: base `Layer` arguments.
+    """
+
+    def __init__(self, capacity, output_dim, updater, embeddings_initializer="uniform",
+                 combiner=None, storage=None, key_halves=False, probes=None,
+                 admit_probability=1.0, eviction="lru", ttl=None, seed=0,
+                 admissions_per_step=4096, placement_rounds=4, **kwargs):
+        kwargs.pop("input_dim", None)
+        super().__init__(capacity, output_dim, updater, embeddings_initializer, combiner,
+                         storage, **kwargs)
+        new_rows.check(self.embeddings_initializer, self.name)
+        self.key_halves = bool(key_halves)
+        self.vocabulary = OpenVocabulary(
+            capacity, probes=probes, admit_probability=admit_probability, eviction=eviction,
+            ttl=ttl, seed=seed, admissions_per_step=admissions_per_step,
+            placement_rounds=placement_rounds)
+
+    @property
+    def capacity(self):
+        return self.input_dim
+
+    def build(self, input_shape=None):
+        super().build(input_shape)
+        self.vocabulary.build(self.embeddings_initializer, self._add_state)
+        self._lookup.vocabulary = self.vocabulary
+        self.vocabulary.pending.constraint = PlainOptimizerGuard(self.name,
+                                                                 self.embeddings.path)
+        self.vocabulary.pending._sparseopt_bookkeeping_of = self._lookup
+
+    def _add_state(self, name, shape, dtype, initial, trainable):
+        init = keras.initializers.Constant(initial)
+        if trainable:
+            # State, not a weight: written by the optimizer, never trained.
+            with keras.name_scope(self.name, caller=self):
+                variable = keras.Variable(initializer=init, shape=shape, dtype=dtype,
+                                          trainable=True, name=name)
+            compat.track_state(self, variable)
+            return variable
+        return self.add_weight(shape=shape, initializer=init, dtype=dtype, trainable=False,
+                               name=name)
+
+    def call(self, ids, training=None):
+        high, low = keys_lib.halves(ids, self.key_halves)
+        rows, proposals = self.vocabulary.rows_for(high, low, bool(training))
+        rows = ops.reshape(rows, keys_lib.key_shape(ids, self.key_halves))
+        if self.combiner is None:
+            return self._lookup(rows, changed=proposals)
+        return self._lookup.pooled(rows, self.combiner, changed=proposals)
+
+    def compute_output_shape(self, input_shape):
+        shape = tuple(input_shape[:-1]) if self.key_halves else tuple(input_shape)
+        return super().compute_output_shape(shape)
+
+    def compute_output_spec(self, ids, training=None):
+        if (not self.key_halves and "int64" in str(ids.dtype)
+                and not backend.has_int64()):
+            # JAX would keep each id's low half: distinct ids would become one.
+            raise ValueError(
+                f"DynamicEmbedding '{self.name}': int64 ids on JAX without x64 would be "
+                "truncated to their low 32 bits, so distinct ids would share a row. Feed "
+                "`sparseopt.vocabulary.split_int64(ids)` with `key_halves=True` (input "
+                "`[..., 2]` int32), or enable `jax_enable_x64`.")
+        return keras.KerasTensor(self.compute_output_shape(ids.shape), dtype=self.compute_dtype)
+
+    def save_own_variables(self, store):
+        """The table, then the map (`OpenVocabulary.variables`)."""
+        for i, variable in enumerate([self.embeddings, *self.vocabulary.variables]):
+            store[str(i)] = variable
+
+    def load_own_variables(self, store):
+        variables = [self.embeddings, *self.vocabulary.variables]
+        if len(store.keys()) != len(variables):
+            raise ValueError(
+                f"Layer '{self.name}' expected {len(variables)} variables (its table and "
+                f"its id map), but received {len(store.keys())} variables during loading.")
+        for i, variable in enumerate(variables):
+            if tuple(store[str(i)].shape) != tuple(variable.shape):
+                raise ValueError(
+                    f"Layer '{self.name}': the file's {variable.name} has shape "
+                    f"{tuple(store[str(i)].shape)}, this layer's {tuple(variable.shape)}.")
+            variable.assign(store[str(i)])
+
+    def vocabulary_stats(self):
+        """`{name: int}`: running totals of the map (`OpenVocabulary.stats`)."""
+        return self.vocabulary.stats()
+
+    def held_ids(self):
+        """`{id: row}` of every id holding a row (reads the whole map: for export)."""
+        return self.vocabulary.ids()
+
+    def get_config(self):
+        config = super().get_config()
+        config["capacity"] = config.pop("input_dim")
+        return {**config, "key_halves": self.key_halves, **self.vocabulary.get_config()}
+

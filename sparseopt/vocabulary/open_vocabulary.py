@@ -1,0 +1,285 @@
+"""An open vocabulary's state and its step: the lookup side and the optimizer side.
+
+`OpenVocabulary` holds the settings (admission, eviction, probing) and the
+layer's variables:
+
+- `keys` (int32 `[V, 2]`) and `last_seen` (int32 `[V]`): the id -> row map
+  (`id_map`), 12 bytes a row;
+- `steps`: the layer's training calls so far (its clock for LRU and TTL);
+- `pending`: the rows the last applied step gave to new ids (`pending`);
+- `counts`: int32 `[4]`, running totals of `COUNTS`.
+
+A training call (`lookup(..., training=True)`) first writes `pending` into
+the map, then finds each id's row, marks the rows it found as seen now,
+picks the new ids to admit and rows for them (`id_map.place`) and hands
+those choices, with the row gradients, to the optimizer
+(`RowGrads.changed`). The optimizer's step (`accept`), if it applies,
+resets each chosen row and its per-row optimizer state and puts the choices
+in `pending`; a skipped step puts nothing there, so it admits and evicts
+nothing. Ids not held read zeros and their gradients go nowhere.
+"""
+
+from typing import Any, NamedTuple
+
+import numpy as np
+from keras import ops
+
+from sparseopt import backend
+from sparseopt.vocabulary import id_map, keys, new_rows, pending
+
+EVICTIONS = ("lru", "none")
+DEFAULT_PROBES = 16
+# What `counts` totals: lookups of ids not held (they read zeros), ids given a
+# row, rows taken from another id, and ids that qualified but found no row
+# in their window (or were over `admissions_per_step`) in their step.
+COUNTS = ("default_lookups", "admitted", "evicted", "unplaced")
+
+
+class Proposals(NamedTuple):
+    """The rows a training call chose for new ids (at most `admissions_per_step`).
+
+    A JAX pytree: it travels with the row gradients (`RowGrads.changed`).
+
+    Args:
+        high, low: int32 `[A]` the ids' halves.
+        rows: int32 `[A]` the row chosen for each.
+        evicted: bool `[A]`: whether the row held another live id.
+        valid: bool `[A]`: which entries are choices.
+        step: int32 scalar, the layer's step they were made in.
+    """
+
+    high: Any
+    low: Any
+    rows: Any
+    evicted: Any
+    valid: Any
+    step: Any
+
+
+class OpenVocabulary:
+    """An open vocabulary's settings; `build` creates its variables on a layer.
+
+    Args:
+        capacity: the table's rows: at most this many ids hold a row at once.
+        probes: the rows an id may live in, from its home row on (its
+            window); None: 16, or `capacity` if smaller.
+        admit_probability: the chance that one sighting of an id not held
+            gives it a row (1: the first sighting does). An id seen `k` times
+            in a step is admitted with `1 - (1 - p)^k`; the coin is a hash of
+            the id, the step and `seed`.
+        eviction: `"lru"`: an id whose window has no free row takes the row
+            seen longest ago (never one seen in this step); `"none"`: it
+            waits for a free row.
+        ttl: steps after which an id not seen expires (its lookups miss and
+            its row is free), or None.
+        seed: for the hash that places ids and the admission coin.
+        admissions_per_step: the most ids a step admits (the size of the
+            hand-over to the next call); more qualifying ids wait for a
+            later sighting.
+        placement_rounds: rounds in which ids that want the same row try
+            their next best one.
+    """
+
+    def __init__(self, capacity, probes=None, admit_probability=1.0, eviction="lru", ttl=None,
+                 seed=0, admissions_per_step=4096, placement_rounds=4):
+        probes = min(DEFAULT_PROBES, int(capacity)) if probes is None else probes
+        if not 1 <= int(probes) <= int(capacity):
+            raise ValueError(f"OpenVocabulary: `probes` must be in [1, capacity={capacity}], "
+                             f"got {probes}.")
+        if not 0.0 < float(admit_probability) <= 1.0:
+            raise ValueError("OpenVocabulary: `admit_probability` must be in (0, 1], got "
+                             f"{admit_probability}.")
+        if eviction not in EVICTIONS:
+            raise ValueError(f"OpenVocabulary: `eviction` must be one of {EVICTIONS}, got "
+                             f"{eviction!r}.")
+        if ttl is not None and int(ttl) < 1:
+            raise ValueError(f"OpenVocabulary: `ttl` must be None or at least 1, got {ttl}.")
+        if int(admissions_per_step) < 1 or int(placement_rounds) < 1:
+            raise ValueError("OpenVocabulary: `admissions_per_step` and `placement_rounds` "
+                             "must be at least 1.")
+        if int(capacity) >= 2**30:
+            raise ValueError(f"OpenVocabulary: `capacity` must be below 2**30, got {capacity}.")
+        self.capacity, self.probes = int(capacity), int(probes)
+        self.admit_probability = float(admit_probability)
+        self.eviction, self.ttl = eviction, (None if ttl is None else int(ttl))
+        self.seed = int(seed)
+        self.admissions_per_step = int(admissions_per_step)
+        self.placement_rounds = int(placement_rounds)
+
+    def get_config(self):
+        return {"probes": self.probes, "admit_probability": self.admit_probability,
+                "eviction": self.eviction, "ttl": self.ttl, "seed": self.seed,
+                "admissions_per_step": self.admissions_per_step,
+                "placement_rounds": self.placement_rounds}
+
+    # -- variables ----------------------------------------------------------
+
+    def build(self, initializer, add_state):
+        """Creates the map's variables on its layer.
+
+        Args:
+            initializer: the table's initializer (rows given to new ids are
+                drawn from it, `new_rows`).
+            add_state: `add_state(name, shape, dtype, initial, trainable)`,
+                which creates a variable of the layer.
+        """
+        self.initializer = initializer
+        v = self.capacity
+        self.keys = add_state("vocabulary_keys", (v, 2), "int32", 0, False)
+        self.last_seen = add_state("vocabulary_last_seen", (v,), "int32", id_map.EMPTY, False)
+        self.steps = add_state("vocabulary_steps", (), "int32", 0, False)
+        self.counts = add_state("vocabulary_counts", (len(COUNTS),), "int32", 0, False)
+        # Written by the optimizer's step: trainable where only trainable
+        # variables can be (JAX); never trained (its gradient is ignored).
+        self.pending = add_state("vocabulary_pending",
+                                 (self.admissions_per_step, pending.FIELDS), "float32", 0.0,
+                                 not backend.STATEFUL_APPLY)
+
+    @property
+    def variables(self):
+        """The map's variables, in the order a checkpoint stores them."""
+        return [self.keys, self.last_seen, self.steps, self.counts, self.pending]
+
+    # -- the lookup's side ----------------------------------------------------
+
+    def rows_for(self, high, low, training):
+        """The rows of the ids `(high, low)` (int32 `[N]` each; -1: not held).
+
+        Writes the hand-over of the last applied step into the map first. In
+        training also advances the clock, marks the rows found as seen and
+        chooses rows for new ids: returns `(rows, Proposals)`; else
+        `(rows, None)`.
+        """
+        self._write_pending()
+        step = self.steps.value
+        if training:
+            step = step + 1
+            self.steps.assign(step)
+        home = keys.home_rows(high, low, self.seed, self.capacity)
+        rows = id_map.find(self.keys, self.last_seen, high, low, home,
+                           self.probes, step, self.ttl)
+        if not training:
+            return rows, None
+        missing = ops.less(rows, 0)
+        self._count("default_lookups", ops.sum(ops.cast(missing, "int32")))
+        backend.scatter_where(self.last_seen, ops.maximum(rows, 0),
+                              ops.full(ops.shape(rows), step, "int32"), ops.logical_not(missing))
+        return rows, self._propose(high, low, missing, step)
+
+    def _propose(self, high, low, missing, step):
+        high, low, occurrences, first = id_map.distinct_missing(high, low, missing)
+        wanted = ops.logical_and(first, self._admitted(high, low, occurrences, step))
+        home = keys.home_rows(high, low, self.seed, self.capacity)
+        rows, evicted = id_map.place(self.last_seen, home, wanted, self.probes, step,
+                                     self.eviction, self.ttl, self.placement_rounds)
+        placed = ops.greater_equal(rows, 0)
+        # The first `admissions_per_step` placed ids, in order.
+        order = backend.lexsort([ops.cast(ops.logical_not(placed), "int32"),
+                                 ops.arange(ops.shape(rows)[0], dtype="int32")])
+        kept = self.admissions_per_step
+        order = order[:kept]
+        taken = ops.take(placed, order)
+        self._count("unplaced", ops.sum(ops.cast(wanted, "int32"))
+                    - ops.sum(ops.cast(taken, "int32")))
+        return Proposals(high=_padded(ops.take(high, order), kept),
+                         low=_padded(ops.take(low, order), kept),
+                         rows=_padded(ops.take(rows, order), kept),
+                         evicted=_padded(ops.take(evicted, order), kept),
+                         valid=_padded(taken, kept), step=step)
+
+    def _admitted(self, high, low, occurrences, step):
+        """Whether each id's sightings in this step win it a row (the admission coin)."""
+        if self.admit_probability >= 1.0:
+            return ops.ones(ops.shape(high), "bool")
+        bits = keys.hashed(ops.bitwise_xor(high, ops.cast(step, "int32")), low, self.seed + 1)
+        draw = ops.cast(ops.right_shift(bits, 8), "float32") * 2.0**-24
+        # p per sighting, `occurrences` sightings: 1 - (1 - p)^k.
+        chance = 1.0 - ops.power(1.0 - self.admit_probability,
+                                 ops.cast(occurrences, "float32"))
+        return ops.less(draw, chance)
+
+    def _write_pending(self):
+        """Writes the last applied step's choices into the map (again is harmless)."""
+        high, low, rows, step, evicted, valid = pending.decode(self.pending.value)
+        safe = ops.where(valid, rows, 0)
+        held = backend.gather_from_resource(self.keys, safe)
+        seen = backend.gather_from_resource(self.last_seen, safe)
+        new = ops.logical_and(valid, ops.logical_not(ops.logical_and(
+            ops.logical_and(ops.equal(held[:, 0], high), ops.equal(held[:, 1], low)),
+            ops.greater_equal(seen, 0))))
+        # Only the ids not written yet (which also orders this write after the
+        # read above: XLA then writes in place instead of copying the map).
+        backend.scatter_where(self.keys, safe, ops.stack([high, low], axis=1), new)
+        backend.scatter_where(self.last_seen, safe, ops.maximum(seen, step), valid)
+        self._count("admitted", ops.sum(ops.cast(new, "int32")))
+        self._count("evicted", ops.sum(ops.cast(ops.logical_and(new, evicted), "int32")))
+
+    def _count(self, name, amount):
+        which = ops.equal(ops.arange(len(COUNTS), dtype="int32"), COUNTS.index(name))
+        self.counts.assign(self.counts.value + ops.where(which, ops.cast(amount, "int32"), 0))
+
+    # -- the optimizer's side -------------------------------------------------
+
+    def accept(self, proposals, applied, table, slots, specs, step):
+        """After the table's update: the chosen rows start afresh, for the next call.
+
+        Where `applied`, each chosen row of `table` is drawn anew from
+        `initializer` and each per-row slot set to its start (`SlotSpec`:
+        its initial value, or the step for a slot that holds one); the
+        choices go to `pending`. Else `pending` is emptied.
+
+        Args:
+            proposals: the step's `Proposals`.
+            applied: boolean scalar: whether the step's update was applied.
+            table: the table variable.
+            slots: `{name: variable}` of the table's optimizer state.
+            specs: the updater's `SlotSpec`s.
+            step: int scalar, the optimizer's 1-based update count.
+        """
+        valid = ops.logical_and(proposals.valid, applied)
+        rows = ops.where(valid, proposals.rows, 0)
+        fresh = new_rows.initial_rows(self.initializer, rows, table.shape[1], proposals.step,
+                                      self.seed)
+        backend.scatter_where(table, rows, ops.cast(fresh, table.dtype), valid)
+        for spec in specs:
+            if not spec.per_row:
+                continue
+            var = slots[spec.name]
+            start = ops.cast(step if spec.holds_step else spec.initial_value, var.dtype)
+            shape = (ops.shape(rows)[0],) + tuple(var.shape[1:])
+            backend.scatter_where(var, rows, ops.broadcast_to(start, shape), valid)
+        self.pending.assign(pending.encode(proposals.high, proposals.low, rows,
+                                           proposals.step, proposals.evicted, valid))
+
+    # -- reading it -----------------------------------------------------------
+
+    def stats(self):
+        """`{name: int}`: the running totals (`COUNTS`) and `held`, rows holding an id."""
+        counts = [int(c) for c in ops.convert_to_numpy(self.counts.value)]
+        out = dict(zip(COUNTS, counts))
+        out["held"] = out["admitted"] - out["evicted"]
+        return out
+
+    def ids(self):
+        """`{id: row}` of every id holding a row, as the next lookup sees them.
+
+        NumPy, reading the whole map (for export); the last step's hand-over
+        is included.
+        """
+        held = np.array(ops.convert_to_numpy(self.keys.value))
+        seen = np.array(ops.convert_to_numpy(self.last_seen.value))
+        high, low, rows, step, _, valid = (np.asarray(ops.convert_to_numpy(x))
+                                           for x in pending.decode(self.pending.value))
+        held[rows[valid], 0], held[rows[valid], 1] = high[valid], low[valid]
+        seen[rows[valid]] = np.maximum(seen[rows[valid]], step[valid])
+        now = int(ops.convert_to_numpy(self.steps.value))
+        alive = seen >= 0
+        if self.ttl is not None:
+            alive &= seen > now - self.ttl
+        rows = np.nonzero(alive)[0]
+        return dict(zip(keys.join_int64(held[rows]).tolist(), rows.tolist()))
+
+
+def _padded(x, n):
+    """`x` (`[m]`, `m <= n`) padded to `[n]` with zeros (False)."""
+    return ops.pad(x, [[0, n - ops.shape(x)[0]]])

@@ -1,0 +1,42 @@
+"""The rows a step gave to new keys, held from the optimizer's step to the next lookup.
+
+The optimizer decides (a skipped step gives nothing); the layer's next call
+writes them into its map. On JAX the optimizer step can write only trainable
+and optimizer variables, so the hand-over is a small float32 array of the
+layer: each integer is stored as two 16-bit halves, which float32 holds
+exactly.
+"""
+
+import numpy as np
+from keras import ops
+
+FIELDS = 10  # high, low, row, step: two halves each; evicted; valid
+
+
+def _split(x):
+    x = ops.cast(x, "int32")
+    return [ops.cast(ops.bitwise_and(ops.right_shift(x, 16), 0xFFFF), "float32"),
+            ops.cast(ops.bitwise_and(x, 0xFFFF), "float32")]
+
+
+def _join(upper, lower):
+    u32 = "uint32"
+    joined = ops.bitwise_or(ops.left_shift(ops.cast(upper, u32), np.uint32(16)),
+                            ops.cast(lower, u32))
+    return ops.cast(joined, "int32")
+
+
+def encode(high, low, rows, step, evicted, valid):
+    """float32 `[A, FIELDS]` of `A` entries (int32 `[A]` halves, rows, a scalar step; bool
+    `[A]` evicted and valid)."""
+    step = ops.broadcast_to(ops.cast(step, "int32"), ops.shape(rows))
+    columns = (_split(high) + _split(low) + _split(rows) + _split(step)
+               + [ops.cast(evicted, "float32"), ops.cast(valid, "float32")])
+    return ops.stack(columns, axis=1)
+
+
+def decode(values):
+    """`(high, low, rows, step, evicted, valid)` of an `encode`d array."""
+    c = [values[:, i] for i in range(FIELDS)]
+    return (_join(c[0], c[1]), _join(c[2], c[3]), _join(c[4], c[5]), _join(c[6], c[7]),
+            ops.greater(c[8], 0.5), ops.greater(c[9], 0.5))

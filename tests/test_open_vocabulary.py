@@ -1,0 +1,281 @@
+"""Open vocabularies (`DynamicEmbedding`): the id -> row map against a plain Python
+reference (`tests/vocabulary_reference.py`), rows trained by their own id only,
+rows and optimizer state that start afresh when given to a new id, skipped
+steps, checkpoints and refusals."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import sparseopt
+from sparseopt.vocabulary import pending as pending_lib
+from tests.conftest import to_np
+from tests.helpers import dot_loss, registered_cases
+from tests.vocabulary_reference import ReferenceVocabulary
+
+WIDTH, N_IDS, BATCH = 2, 3, 4
+# Ids from a small pool, so that they repeat, collide and get evicted; the
+# extremes of int32 among them.
+POOL = np.array([0, 1, -1, 7, 2**31 - 1, -2**31, 123456789, -987654321, 42, 4096, 65536,
+                 -65536, 31, 63, 5, 99, 1000, 2024, -7, 77], dtype=np.int64)
+
+
+def dynamic_model(capacity, updater=None, n_ids=N_IDS, init="zeros", **options):
+    shape = (n_ids, 2) if options.get("key_halves") else (n_ids,)
+    ids = keras.Input(shape, dtype="int32")
+    layer = sparseopt.layers.DynamicEmbedding(
+        capacity, WIDTH, updater or sparseopt.updaters.SGD(0.5), embeddings_initializer=init,
+        name="dyn", **options)
+    model = keras.Model(ids, layer(ids))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)),
+                  loss=dot_loss)
+    return model, layer
+
+
+def map_state(layer):
+    """`({row: id}, last_seen, counts, [(id, row, step, evicted)])` read from the layer."""
+    v = layer.vocabulary
+    held = np.asarray(keras.ops.convert_to_numpy(v.keys.value)).astype(np.int64)
+    seen = np.asarray(keras.ops.convert_to_numpy(v.last_seen.value))
+    keys = sparseopt.vocabulary.join_int64(held)
+    rows = {int(r): int(keys[r]) for r in np.nonzero(seen >= 0)[0]}
+    counts = dict(zip(sparseopt.vocabulary.COUNTS,
+                      keras.ops.convert_to_numpy(v.counts.value).tolist()))
+    high, low, row, step, evicted, valid = (np.asarray(keras.ops.convert_to_numpy(x))
+                                            for x in pending_lib.decode(v.pending.value))
+    ids = sparseopt.vocabulary.join_int64(np.stack([high, low], axis=-1))
+    handed = [(int(i), int(r), int(s), bool(e))
+              for i, r, s, e, ok in zip(ids, row, step, evicted, valid) if ok]
+    return rows, seen, counts, handed
+
+
+def reference_state(ref):
+    rows = {r: ref.key[r] for r in range(ref.capacity) if ref.seen[r] >= 0}
+    return rows, np.array(ref.seen), ref.counts, ref.pending
+
+
+settings_ = settings(max_examples=8, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow])
+
+
+@settings_
+@given(capacity=st.integers(4, 12), probes=st.integers(1, 4),
+       eviction=st.sampled_from(["lru", "none"]), ttl=st.sampled_from([None, 1, 3]),
+       admissions=st.integers(1, 6), rounds=st.integers(1, 3), seed=st.integers(0, 5),
+       data=st.data())
+def test_the_map_follows_a_plain_python_reference_step_by_step(
+        capacity, probes, eviction, ttl, admissions, rounds, seed, data):
+    """Lookups, LRU / TTL, placement in rounds, the hand-over and the totals, after
+    every step; and each id's row holds what SGD on that id's own gradients
+    gives (zero-initialized rows: -lr x the sum of its gradients since it was
+    given the row)."""
+    keras.backend.clear_session(free_memory=False)
+    probes = min(probes, capacity)
+    options = dict(probes=probes, eviction=eviction, ttl=ttl, seed=seed,
+                   admissions_per_step=admissions, placement_rounds=rounds)
+    model, layer = dynamic_model(capacity, **options)
+    ref = ReferenceVocabulary(capacity, probes, eviction, ttl, seed, admissions, rounds)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    trained = {}  # id -> its row's value by the reference (SGD, lr 0.5)
+    for _ in range(6):
+        x = rng.choice(POOL, size=(BATCH, N_IDS)).astype("int32")
+        y = rng.normal(size=(BATCH, N_IDS, WIDTH)).astype("float32")
+        rows = ref.train(x.reshape(-1).astype(np.int64).tolist())
+        model.train_on_batch(x, y)
+        got, want = map_state(layer), reference_state(ref)
+        assert got[0] == want[0]
+        np.testing.assert_array_equal(got[1], want[1])
+        assert got[2] == want[2]
+        assert got[3] == want[3]
+        # SGD on the rows the step read (ids not held: nothing).
+        grads = {}
+        for key, row, g in zip(x.reshape(-1).tolist(), rows, y.reshape(-1, WIDTH) / BATCH):
+            if row >= 0:
+                grads[key] = grads.get(key, 0.0) + g.astype(np.float64)
+        for key, g in grads.items():
+            trained[key] = trained.get(key, np.zeros(WIDTH)) - 0.5 * g
+        for key, _, _, _ in ref.pending:  # given a row: starts at zero (the initializer)
+            trained[key] = np.zeros(WIDTH)
+    table = to_np(layer.embeddings)
+    held = ref.held()
+    assert layer.held_ids() == held
+    assert len(set(held.values())) == len(held)  # zero collision
+    for key, row in held.items():
+        np.testing.assert_allclose(table[row], trained[key], rtol=1e-5, atol=1e-6)
+
+
+def test_every_updater_gives_a_reused_row_fresh_state():
+    """Registry-driven: each shipped updater (each test configuration), a table of 2
+    rows and 3 ids, so the third id evicts the row seen longest ago. Right after
+    that step, the row holds the initializer's value and every per-row slot its
+    initial value (the current step for `lazy=False`'s last update)."""
+    for case, (cls, kwargs) in registered_cases().items():
+        keras.backend.clear_session(free_memory=False)
+        model, layer = dynamic_model(2, cls(0.1, **kwargs), n_ids=1,
+                                     init=keras.initializers.Constant(0.25), probes=2)
+        y = np.ones((1, 1, WIDTH), "float32")
+        for key in (10, 20, 10, 20, 10, 20):  # both rows trained (state away from its start)
+            model.train_on_batch(np.array([[key]], "int32"), y)
+        before = layer.held_ids()
+        model.train_on_batch(np.array([[30]], "int32"), y)  # chosen: 10's row (seen longest ago)
+        row = before[10]
+        assert pending_rows(layer) == [row], case
+        state = model.optimizer.table_state(layer.embeddings)
+        np.testing.assert_array_equal(to_np(layer.embeddings)[row], 0.25, err_msg=case)
+        step = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+        for spec in cls(0.1, **kwargs).slots:
+            if spec.per_row:
+                want = step if spec.holds_step else spec.initial_value
+                want = np.asarray(want, dtype=state[spec.name].dtype)
+                np.testing.assert_array_equal(to_np(state[spec.name])[row], want,
+                                              err_msg=f"{case} {spec.name}")
+        model.train_on_batch(np.array([[20]], "int32"), y)  # writes the hand-over
+        assert layer.held_ids() == {20: before[20], 30: row}, case
+
+
+def pending_rows(layer):
+    return [r for _, r, _, _ in map_state(layer)[3]]
+
+
+def test_a_skipped_step_admits_and_evicts_nothing():
+    model, layer = dynamic_model(4, probes=4, eviction="none")
+    y = np.ones((BATCH, N_IDS, WIDTH), "float32")
+    model.train_on_batch(np.array([[1, 2, 3]] * BATCH, "int32"), y)
+    # Writes 1, 2, 3; 4 takes the last free row, 5 and 6 none (no eviction).
+    model.train_on_batch(np.array([[4, 5, 6]] * BATCH, "int32"), y)
+    held, table = layer.held_ids(), to_np(layer.embeddings).copy()
+    bad = y.copy()
+    bad[0, 0, 0] = np.nan
+    model.train_on_batch(np.array([[7, 8, 9]] * BATCH, "int32"), bad)  # skipped
+    assert model.optimizer.skipped_steps() == {layer.embeddings.path: 1}
+    assert pending_rows(layer) == []
+    np.testing.assert_array_equal(to_np(layer.embeddings), table)
+    model.train_on_batch(np.array([[1, 2, 3]] * BATCH, "int32"), y)
+    # 4 was handed over before the skipped step; 7, 8, 9 never were.
+    assert set(layer.held_ids()) == set(held) | {4}
+    assert layer.vocabulary_stats()["evicted"] == 0
+
+
+def test_ids_not_held_read_zeros_and_count_as_default_lookups():
+    model, layer = dynamic_model(8, init="ones", admit_probability=1.0)
+    x = np.array([[11, 12, 11]], "int32")
+    assert np.all(to_np(model(x)) == 0)  # nothing held yet
+    model.train_on_batch(x, np.ones((1, N_IDS, WIDTH), "float32"))
+    assert layer.vocabulary_stats()["default_lookups"] == 3
+    out = to_np(model(x))  # the hand-over is written: rows of ones
+    np.testing.assert_array_equal(out, 1.0)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+def test_pooled_bags_read_the_rows_of_the_ids_held(combiner):
+    """Ids not held read nothing: they add zero to a sum and do not count in a mean."""
+    model, layer = dynamic_model(16, combiner=combiner, init="uniform")
+    x = np.array([[5, 6, 7], [5, 8, 9]], "int32")
+    model.train_on_batch(x[:1], np.zeros((1, WIDTH), "float32"))  # admits 5, 6, 7
+    out = to_np(model(x))
+    table, held = to_np(layer.embeddings), layer.held_ids()
+    assert sorted(held) == [5, 6, 7]
+    first = table[[held[5], held[6], held[7]]]
+    want = [first.sum(0), table[held[5]]] if combiner == "sum" else [first.mean(0),
+                                                                      table[held[5]]]
+    np.testing.assert_allclose(out, np.array(want), rtol=1e-6)
+
+
+def test_64_bit_ids_as_halves_and_int64_on_tensorflow():
+    big = np.array([[2**40 + 5, -(2**50), 2**40 + 5]], dtype=np.int64)
+    halves = sparseopt.vocabulary.split_int64(big)
+    np.testing.assert_array_equal(sparseopt.vocabulary.join_int64(halves), big)
+    model, layer = dynamic_model(8, key_halves=True)
+    y = np.ones((1, N_IDS, WIDTH), "float32")
+    for _ in range(2):
+        model.train_on_batch(halves, y)
+    assert sorted(layer.held_ids()) == sorted({2**40 + 5, -(2**50)})
+    assert model.output_shape == (None, N_IDS, WIDTH)
+    if keras.backend.backend() == "jax":  # (without x64: int64 would be truncated)
+        with pytest.raises(ValueError, match="split_int64.*key_halves=True"):
+            sparseopt.layers.DynamicEmbedding(8, WIDTH, sparseopt.updaters.SGD(0.5))(
+                keras.Input((N_IDS,), dtype="int64"))
+    else:
+        keras.backend.clear_session(free_memory=False)
+        ids = keras.Input((N_IDS,), dtype="int64")
+        layer = sparseopt.layers.DynamicEmbedding(8, WIDTH, sparseopt.updaters.SGD(0.5),
+                                                  name="dyn")
+        model = keras.Model(ids, layer(ids))
+        model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()),
+                      loss=dot_loss)
+        for _ in range(2):
+            model.train_on_batch(big, y)
+        assert sorted(layer.held_ids()) == sorted({2**40 + 5, -(2**50)})
+
+
+def test_admission_by_probability_is_reproducible_and_near_its_rate():
+    def run():
+        keras.backend.clear_session(free_memory=False)
+        model, layer = dynamic_model(4096, n_ids=256, admit_probability=0.25, probes=8)
+        x = np.arange(256 * 4, dtype="int32").reshape(4, 256)
+        for batch in x:
+            model.train_on_batch(batch[None], np.zeros((1, 256, WIDTH), "float32"))
+        model.train_on_batch(x[:1], np.zeros((1, 256, WIDTH), "float32"))
+        return layer.held_ids()
+
+    first = run()
+    assert first == run()
+    # 1,024 ids seen once each: about a quarter admitted (4 standard deviations).
+    assert abs(len(first) - 256) < 4 * np.sqrt(1024 * 0.25 * 0.75)
+
+
+def test_checkpoints_hold_the_map_and_resume_exactly(tmp_path):
+    rng = np.random.default_rng(0)
+    xs = rng.choice(POOL, size=(8, BATCH, N_IDS)).astype("int32")
+    ys = rng.normal(size=(8, BATCH, N_IDS, WIDTH)).astype("float32")
+    model, layer = dynamic_model(6, sparseopt.updaters.Adagrad(0.1), probes=3, init="uniform")
+    for x, y in zip(xs[:4], ys[:4]):
+        model.train_on_batch(x, y)
+    path = os.path.join(tmp_path, "m.keras")
+    model.save(path)
+    for x, y in zip(xs[4:], ys[4:]):
+        model.train_on_batch(x, y)
+    keras.backend.clear_session(free_memory=False)
+    loaded = keras.saving.load_model(path, custom_objects={"dot_loss": dot_loss})
+    dyn = loaded.get_layer("dyn")
+    for x, y in zip(xs[4:], ys[4:]):
+        loaded.train_on_batch(x, y)
+    np.testing.assert_array_equal(to_np(dyn.embeddings), to_np(layer.embeddings))
+    for a, b in zip(dyn.vocabulary.variables, layer.vocabulary.variables):
+        np.testing.assert_array_equal(to_np(a), to_np(b))
+    assert dyn.held_ids() == layer.held_ids()
+    # Weights alone (inference): the same ids read the same rows.
+    weights = os.path.join(tmp_path, "w.weights.h5")
+    model.save_weights(weights)
+    keras.backend.clear_session(free_memory=False)
+    fresh, _ = dynamic_model(6, sparseopt.updaters.Adagrad(0.1), probes=3, init="uniform")
+    fresh.load_weights(weights)
+    np.testing.assert_array_equal(to_np(fresh(xs[0])), to_np(model(xs[0])))
+
+
+def test_what_open_vocabularies_do_not_support_yet_is_refused_naming_the_table():
+    with pytest.raises(ValueError, match="RandomUniform, RandomNormal"):
+        sparseopt.layers.DynamicEmbedding(8, 2, sparseopt.updaters.SGD(0.1),
+                                          embeddings_initializer="glorot_uniform")
+    with pytest.raises(ValueError, match="`probes` must be in"):
+        sparseopt.layers.DynamicEmbedding(8, 2, sparseopt.updaters.SGD(0.1), probes=9)
+    ids = keras.Input((N_IDS,), dtype="int32")
+    layer = sparseopt.layers.DynamicEmbedding(8, WIDTH, sparseopt.updaters.SGD(0.1), name="dyn")
+    model = keras.Model(ids, layer(ids))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(),
+                                                        gradient_accumulation_steps=2),
+                  loss=dot_loss)
+    with pytest.raises(ValueError, match=r"open-vocabulary tables \['dyn/embeddings'\].*"
+                                         "gradient_accumulation_steps"):
+        model.train_on_batch(np.zeros((1, N_IDS), "int32"), np.zeros((1, N_IDS, WIDTH)))
+    keras.backend.clear_session(free_memory=False)
+    ids = keras.Input((N_IDS,), dtype="int32")
+    layer = sparseopt.layers.DynamicEmbedding(8, WIDTH, sparseopt.updaters.SGD(0.1), name="dyn")
+    model = keras.Model(ids, keras.layers.Add()([layer(ids), layer(ids)]))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()), loss=dot_loss)
+    with pytest.raises(ValueError, match="looked up 2 times in one step"):
+        model.train_on_batch(np.zeros((1, N_IDS), "int32"), np.zeros((1, N_IDS, WIDTH)))

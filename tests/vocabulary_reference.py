@@ -1,0 +1,123 @@
+"""An open vocabulary written plainly: dicts, lists and Python ints, one id at a time.
+
+Follows docs/open_vocabularies.md's rules, written without the library's
+code: the hash (murmur3's 32-bit finalizer over both halves of the id), the
+window, lookups, LRU / TTL, placement in rounds, the hand-over of an applied
+step's choices to the next call, and the running totals.
+"""
+
+M = 0xFFFFFFFF
+
+
+def _mix(x):
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & M
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & M
+    return x ^ (x >> 16)
+
+
+def home(key, seed, capacity):
+    """The id's home row: its hash modulo `capacity`."""
+    high, low = (key >> 32) & M, key & M
+    start = _mix((high + ((seed * 0x9E3779B1) & M)) & M)
+    return _mix(((start * 0x9E3779B9) & M) ^ low) % capacity
+
+
+def _signed(x):
+    return x - (1 << 32) if x >= 1 << 31 else x
+
+
+def order_key(key):
+    """Ids are taken in order of their (signed) high half, then (signed) low half."""
+    return (key >> 32, _signed(key & M))
+
+
+class ReferenceVocabulary:
+    def __init__(self, capacity, probes, eviction="lru", ttl=None, seed=0,
+                 admissions_per_step=4096, placement_rounds=4):
+        self.capacity, self.probes, self.eviction, self.ttl = capacity, probes, eviction, ttl
+        self.seed, self.admissions, self.rounds = seed, admissions_per_step, placement_rounds
+        self.key = {}  # row -> id (kept while the row is free again: only `seen` says)
+        self.seen = [-1] * capacity
+        self.step = 0
+        self.pending = []  # (id, row, step, evicted) of the last applied step
+        self.counts = {"default_lookups": 0, "admitted": 0, "evicted": 0, "unplaced": 0}
+
+    def window(self, key):
+        first = home(key, self.seed, self.capacity)
+        return [(first + j) % self.capacity for j in range(self.probes)]
+
+    def alive(self, row, step):
+        seen = self.seen[row]
+        return seen >= 0 and (self.ttl is None or seen > step - self.ttl)
+
+    def find(self, key, step):
+        for row in self.window(key):
+            if self.alive(row, step) and self.key.get(row) == key:
+                return row
+        return -1
+
+    def held(self):
+        """`{id: row}` of live ids as the next lookup sees them (the hand-over written)."""
+        key, seen = dict(self.key), list(self.seen)
+        for k, row, step, _ in self.pending:
+            key[row], seen[row] = k, max(seen[row], step)
+        return {key[r]: r for r in range(self.capacity)
+                if r in key and seen[r] >= 0
+                and (self.ttl is None or seen[r] > self.step - self.ttl)}
+
+    def _commit(self):
+        for key, row, step, evicted in self.pending:
+            new = not (self.key.get(row) == key and self.seen[row] >= 0)
+            self.key[row] = key
+            self.seen[row] = max(self.seen[row], step)
+            if new:
+                self.counts["admitted"] += 1
+                self.counts["evicted"] += int(evicted)
+
+    def lookup(self, keys):
+        """An inference call: `[rows]` (the hand-over written first)."""
+        self._commit()
+        return [self.find(k, self.step) for k in keys]
+
+    def train(self, keys, applied=True):
+        """A training call then the optimizer's step: `[rows]` the call read."""
+        self._commit()
+        self.step += 1
+        s = self.step
+        rows = [self.find(k, s) for k in keys]
+        self.counts["default_lookups"] += sum(r < 0 for r in rows)
+        for r in rows:
+            if r >= 0:
+                self.seen[r] = s
+        missing = sorted({k for k, r in zip(keys, rows) if r < 0}, key=order_key)
+        # Each candidate row: (score, usable); lower score is better.
+        options = []
+        for key in missing:
+            found = []
+            for row in self.window(key):
+                live = self.alive(row, s)
+                usable = not live or (self.eviction == "lru" and self.seen[row] < s)
+                found.append((row, self.seen[row] if live else -1, usable, live))
+            options.append(found)
+        placed = [None] * len(missing)
+        for _ in range(self.rounds):
+            taken = {p[0] for p in placed if p is not None}
+            wants = {}
+            for c, found in enumerate(options):
+                if placed[c] is not None:
+                    continue
+                usable = [(score, j) for j, (row, score, ok, _) in enumerate(found)
+                          if ok and row not in taken]
+                if usable:
+                    _, j = min(usable)
+                    wants.setdefault(found[j][0], []).append((c, found[j][3]))
+            for row, who in wants.items():
+                c, live = min(who)
+                placed[c] = (row, live)
+        chosen = [c for c in range(len(missing)) if placed[c] is not None][:self.admissions]
+        self.counts["unplaced"] += len(missing) - len(chosen)
+        self.pending = ([(missing[c], placed[c][0], s, placed[c][1]) for c in chosen]
+                        if applied else [])
+        return rows
