@@ -134,7 +134,12 @@ class TableHealth(keras.callbacks.Callback):
     - `sparse_dropped_ids`: ids outside `[0, rows)`, summed over tables;
     - with a `keras.optimizers.LossScaleOptimizer`, which skips such a step
       for every variable before the tables see it: `loss_scale` and
-      `loss_scale_skipped_steps` (this epoch).
+      `loss_scale_skipped_steps` (this epoch);
+    - with open-vocabulary tables (`DynamicEmbedding`), summed over them:
+      `vocabulary_held` (rows holding an id now) and the running totals
+      `vocabulary_admitted`, `vocabulary_evicted`, `vocabulary_default_lookups`
+      (lookups of ids not held) and `vocabulary_unplaced`
+      (`sparseopt.vocabulary.COUNTS`).
 
     With `warn=True` it also warns, naming each table whose count grew.
 
@@ -168,6 +173,12 @@ class TableHealth(keras.callbacks.Callback):
                   "dropped ids (outside [0, rows))": optimizer.dropped_ids()}
         logs["sparse_skipped_steps"], logs["sparse_dropped_ids"] = (
             sum(c.values()) for c in counts.values())
+        vocabularies = [t.vocabulary for t in optimizer.table_trainers.values()
+                        if t.vocabulary is not None]
+        if vocabularies:
+            stats = [v.stats() for v in vocabularies]
+            for name in stats[0]:
+                logs[f"vocabulary_{name}"] = sum(s[name] for s in stats)
         scaler = self.model.optimizer
         if isinstance(scaler, keras.optimizers.LossScaleOptimizer):
             applied = int(ops.convert_to_numpy(optimizer.iterations)) - self._applied_before

@@ -33,16 +33,13 @@ def order_key(key):
     return (key >> 32, _signed(key & M))
 
 
-class ReferenceVocabulary:
-    def __init__(self, capacity, probes, eviction="lru", ttl=None, seed=0,
-                 admissions_per_step=4096, placement_rounds=4):
-        self.capacity, self.probes, self.eviction, self.ttl = capacity, probes, eviction, ttl
-        self.seed, self.admissions, self.rounds = seed, admissions_per_step, placement_rounds
+class _Map:
+    """Open addressing: row -> id, row -> last seen step (-1: no id)."""
+
+    def __init__(self, capacity, probes, seed, ttl=None):
+        self.capacity, self.probes, self.seed, self.ttl = capacity, probes, seed, ttl
         self.key = {}  # row -> id (kept while the row is free again: only `seen` says)
         self.seen = [-1] * capacity
-        self.step = 0
-        self.pending = []  # (id, row, step, evicted) of the last applied step
-        self.counts = {"default_lookups": 0, "admitted": 0, "evicted": 0, "unplaced": 0}
 
     def window(self, key):
         first = home(key, self.seed, self.capacity)
@@ -58,51 +55,18 @@ class ReferenceVocabulary:
                 return row
         return -1
 
-    def held(self):
-        """`{id: row}` of live ids as the next lookup sees them (the hand-over written)."""
-        key, seen = dict(self.key), list(self.seen)
-        for k, row, step, _ in self.pending:
-            key[row], seen[row] = k, max(seen[row], step)
-        return {key[r]: r for r in range(self.capacity)
-                if r in key and seen[r] >= 0
-                and (self.ttl is None or seen[r] > self.step - self.ttl)}
-
-    def _commit(self):
-        for key, row, step, evicted in self.pending:
-            new = not (self.key.get(row) == key and self.seen[row] >= 0)
-            self.key[row] = key
-            self.seen[row] = max(self.seen[row], step)
-            if new:
-                self.counts["admitted"] += 1
-                self.counts["evicted"] += int(evicted)
-
-    def lookup(self, keys):
-        """An inference call: `[rows]` (the hand-over written first)."""
-        self._commit()
-        return [self.find(k, self.step) for k in keys]
-
-    def train(self, keys, applied=True):
-        """A training call then the optimizer's step: `[rows]` the call read."""
-        self._commit()
-        self.step += 1
-        s = self.step
-        rows = [self.find(k, s) for k in keys]
-        self.counts["default_lookups"] += sum(r < 0 for r in rows)
-        for r in rows:
-            if r >= 0:
-                self.seen[r] = s
-        missing = sorted({k for k, r in zip(keys, rows) if r < 0}, key=order_key)
-        # Each candidate row: (score, usable); lower score is better.
+    def place(self, candidates, step, eviction, rounds):
+        """`[(row, held a live id) or None]` for `candidates`, in rounds."""
         options = []
-        for key in missing:
+        for key in candidates:
             found = []
             for row in self.window(key):
-                live = self.alive(row, s)
-                usable = not live or (self.eviction == "lru" and self.seen[row] < s)
+                live = self.alive(row, step)
+                usable = not live or (eviction == "lru" and self.seen[row] < step)
                 found.append((row, self.seen[row] if live else -1, usable, live))
             options.append(found)
-        placed = [None] * len(missing)
-        for _ in range(self.rounds):
+        placed = [None] * len(candidates)
+        for _ in range(rounds):
             taken = {p[0] for p in placed if p is not None}
             wants = {}
             for c, found in enumerate(options):
@@ -116,8 +80,97 @@ class ReferenceVocabulary:
             for row, who in wants.items():
                 c, live = min(who)
                 placed[c] = (row, live)
-        chosen = [c for c in range(len(missing)) if placed[c] is not None][:self.admissions]
-        self.counts["unplaced"] += len(missing) - len(chosen)
-        self.pending = ([(missing[c], placed[c][0], s, placed[c][1]) for c in chosen]
+        return placed
+
+
+class ReferenceVocabulary:
+    def __init__(self, capacity, probes, eviction="lru", ttl=None, seed=0,
+                 admissions_per_step=4096, placement_rounds=4, admit_after=1,
+                 count_capacity=None):
+        self.map = _Map(capacity, probes, seed, ttl)
+        self.capacity, self.eviction, self.ttl = capacity, eviction, ttl
+        self.admissions, self.rounds, self.admit_after = (admissions_per_step, placement_rounds,
+                                                          admit_after)
+        cc = count_capacity or capacity
+        self.sightings = _Map(cc, min(probes, cc), seed + 7919)
+        self.count = {}  # sightings map row -> count
+        self.step = 0
+        self.pending = []  # (id, row, step, evicted) of the last applied step
+        self.counts = {"default_lookups": 0, "admitted": 0, "evicted": 0, "unplaced": 0}
+
+    @property
+    def key(self):
+        return self.map.key
+
+    @property
+    def seen(self):
+        return self.map.seen
+
+    def held(self):
+        """`{id: row}` of live ids as the next lookup sees them (the hand-over written)."""
+        key, seen = dict(self.map.key), list(self.map.seen)
+        for k, row, step, _ in self.pending:
+            key[row], seen[row] = k, max(seen[row], step)
+        return {key[r]: r for r in range(self.capacity)
+                if r in key and seen[r] >= 0
+                and (self.ttl is None or seen[r] > self.step - self.ttl)}
+
+    def _commit(self):
+        for key, row, step, evicted in self.pending:
+            new = not (self.map.key.get(row) == key and self.map.seen[row] >= 0)
+            self.map.key[row] = key
+            self.map.seen[row] = max(self.map.seen[row], step)
+            if new:
+                self.counts["admitted"] += 1
+                self.counts["evicted"] += int(evicted)
+                if self.admit_after > 1:  # admitted: its sightings are forgotten
+                    at = self.sightings.find(key, 0)
+                    if at >= 0:
+                        self.sightings.seen[at] = -1
+
+    def lookup(self, keys):
+        """An inference call: `[rows]` (the hand-over written first)."""
+        self._commit()
+        return [self.map.find(k, self.step) for k in keys]
+
+    def _sighted(self, missing, occurrences, s):
+        """Counts this step's sightings of `missing` ids; their totals."""
+        totals = []
+        for key in missing:
+            at = self.sightings.find(key, s)
+            total = (self.count[at] if at >= 0 else 0) + occurrences[key]
+            if at >= 0:
+                self.count[at], self.sightings.seen[at] = total, s
+            totals.append(total)
+        new = [k for k in missing if self.sightings.find(k, s) < 0]
+        for key, got in zip(new, self.sightings.place(new, s, "lru", self.rounds)):
+            if got is not None:
+                self.sightings.key[got[0]], self.sightings.seen[got[0]] = key, s
+                self.count[got[0]] = totals[missing.index(key)]
+        return totals
+
+    def train(self, keys, applied=True):
+        """A training call then the optimizer's step: `[rows]` the call read."""
+        self._commit()
+        self.step += 1
+        s = self.step
+        rows = [self.map.find(k, s) for k in keys]
+        self.counts["default_lookups"] += sum(r < 0 for r in rows)
+        for r in rows:
+            if r >= 0:
+                self.map.seen[r] = s
+        occurrences = {}
+        for k, r in zip(keys, rows):
+            if r < 0:
+                occurrences[k] = occurrences.get(k, 0) + 1
+        missing = sorted(occurrences, key=order_key)
+        wanted = missing
+        if self.admit_after > 1:
+            totals = self._sighted(missing, occurrences, s)
+            wanted = [k for k, t in zip(missing, totals) if t >= self.admit_after]
+        placed = self.map.place(wanted, s, self.eviction, self.rounds)
+        chosen = [c for c in range(len(wanted)) if placed[c] is not None][:self.admissions]
+        self.counts["unplaced"] += len(wanted) - len(chosen)
+        self.pending = ([(wanted[c], placed[c][0], s, placed[c][1]) for c in chosen]
                         if applied else [])
         return rows

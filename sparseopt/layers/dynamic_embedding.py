@@ -15,7 +15,8 @@ from sparseopt.vocabulary.open_vocabulary import OpenVocabulary
 class DynamicEmbedding(SparseEmbedding):
     """An embedding table for an open vocabulary: ids of any value, `capacity` rows.
 
-    Each id that qualifies (`admit_probability`) gets a row of its own, found
+    Each id that qualifies (`admit_after` sightings, `admit_probability`) gets a
+    row of its own, found
     through a map kept in the layer's variables (open addressing in the
     table's own rows, `probes` rows per id); ids not held read zeros and
     their gradients go nowhere. When an id's window is full, the row seen
@@ -40,14 +41,16 @@ class DynamicEmbedding(SparseEmbedding):
             64-bit ids on JAX. Otherwise ids are int32 (or int64 on
             TensorFlow) of any value.
         probes, admit_probability, eviction, ttl, seed, admissions_per_step,
-            placement_rounds: as for `sparseopt.vocabulary.OpenVocabulary`.
+            placement_rounds, admit_after, count_capacity: as for
+            `sparseopt.vocabulary.OpenVocabulary`.
         **kwargs: base `Layer` arguments.
     """
 
     def __init__(self, capacity, output_dim, updater, embeddings_initializer="uniform",
                  combiner=None, storage=None, key_halves=False, probes=None,
                  admit_probability=1.0, eviction="lru", ttl=None, seed=0,
-                 admissions_per_step=4096, placement_rounds=4, **kwargs):
+                 admissions_per_step=4096, placement_rounds=4, admit_after=1,
+                 count_capacity=None, **kwargs):
         kwargs.pop("input_dim", None)
         super().__init__(capacity, output_dim, updater, embeddings_initializer, combiner,
                          storage, **kwargs)
@@ -56,7 +59,8 @@ class DynamicEmbedding(SparseEmbedding):
         self.vocabulary = OpenVocabulary(
             capacity, probes=probes, admit_probability=admit_probability, eviction=eviction,
             ttl=ttl, seed=seed, admissions_per_step=admissions_per_step,
-            placement_rounds=placement_rounds)
+            placement_rounds=placement_rounds, admit_after=admit_after,
+            count_capacity=count_capacity)
 
     @property
     def capacity(self):

@@ -7,9 +7,10 @@ layer's variables:
   (`id_map`), 12 bytes a row;
 - `steps`: the layer's training calls so far (its clock for LRU and TTL);
 - `pending`: the rows the last applied step gave to new ids (`pending`);
-- `counts`: int32 `[4]`, running totals of `COUNTS`.
+- `counts`: int32 `[4]`, running totals of `COUNTS`;
+- with `admit_after`, the sighting counts (`sightings.SightingCounts`).
 
-A training call (`lookup(..., training=True)`) first writes `pending` into
+A training call (`rows_for(..., training=True)`) first writes `pending` into
 the map, then finds each id's row, marks the rows it found as seen now,
 picks the new ids to admit and rows for them (`id_map.place`) and hands
 those choices, with the row gradients, to the optimizer
@@ -26,6 +27,7 @@ from keras import ops
 
 from sparseopt import backend
 from sparseopt.vocabulary import id_map, keys, new_rows, pending
+from sparseopt.vocabulary.sightings import SightingCounts
 
 EVICTIONS = ("lru", "none")
 DEFAULT_PROBES = 16
@@ -67,6 +69,10 @@ class OpenVocabulary:
             gives it a row (1: the first sighting does). An id seen `k` times
             in a step is admitted with `1 - (1 - p)^k`; the coin is a hash of
             the id, the step and `seed`.
+        admit_after: sightings (every occurrence counts) before an id may be
+            admitted; above 1, they are counted in a second map
+            (`sightings.SightingCounts`, 16 bytes an entry).
+        count_capacity: that map's entries (None: `capacity`).
         eviction: `"lru"`: an id whose window has no free row takes the row
             seen longest ago (never one seen in this step); `"none"`: it
             waits for a free row.
@@ -81,7 +87,8 @@ class OpenVocabulary:
     """
 
     def __init__(self, capacity, probes=None, admit_probability=1.0, eviction="lru", ttl=None,
-                 seed=0, admissions_per_step=4096, placement_rounds=4):
+                 seed=0, admissions_per_step=4096, placement_rounds=4, admit_after=1,
+                 count_capacity=None):
         probes = min(DEFAULT_PROBES, int(capacity)) if probes is None else probes
         if not 1 <= int(probes) <= int(capacity):
             raise ValueError(f"OpenVocabulary: `probes` must be in [1, capacity={capacity}], "
@@ -97,6 +104,9 @@ class OpenVocabulary:
         if int(admissions_per_step) < 1 or int(placement_rounds) < 1:
             raise ValueError("OpenVocabulary: `admissions_per_step` and `placement_rounds` "
                              "must be at least 1.")
+        if int(admit_after) < 1 or (count_capacity is not None and int(count_capacity) < 1):
+            raise ValueError("OpenVocabulary: `admit_after` and `count_capacity` must be at "
+                             f"least 1, got {admit_after} and {count_capacity}.")
         if int(capacity) >= 2**30:
             raise ValueError(f"OpenVocabulary: `capacity` must be below 2**30, got {capacity}.")
         self.capacity, self.probes = int(capacity), int(probes)
@@ -105,12 +115,19 @@ class OpenVocabulary:
         self.seed = int(seed)
         self.admissions_per_step = int(admissions_per_step)
         self.placement_rounds = int(placement_rounds)
+        self.admit_after = int(admit_after)
+        self.count_capacity = None if count_capacity is None else int(count_capacity)
+        self.sightings = None
+        if self.admit_after > 1:
+            self.sightings = SightingCounts(self.count_capacity or self.capacity, self.probes,
+                                            self.seed, self.placement_rounds)
 
     def get_config(self):
         return {"probes": self.probes, "admit_probability": self.admit_probability,
                 "eviction": self.eviction, "ttl": self.ttl, "seed": self.seed,
                 "admissions_per_step": self.admissions_per_step,
-                "placement_rounds": self.placement_rounds}
+                "placement_rounds": self.placement_rounds, "admit_after": self.admit_after,
+                "count_capacity": self.count_capacity}
 
     # -- variables ----------------------------------------------------------
 
@@ -134,11 +151,14 @@ class OpenVocabulary:
         self.pending = add_state("vocabulary_pending",
                                  (self.admissions_per_step, pending.FIELDS), "float32", 0.0,
                                  not backend.STATEFUL_APPLY)
+        if self.sightings is not None:
+            self.sightings.build(add_state)
 
     @property
     def variables(self):
         """The map's variables, in the order a checkpoint stores them."""
-        return [self.keys, self.last_seen, self.steps, self.counts, self.pending]
+        counted = self.sightings.variables if self.sightings is not None else []
+        return [self.keys, self.last_seen, self.steps, self.counts, self.pending, *counted]
 
     # -- the lookup's side ----------------------------------------------------
 
@@ -169,6 +189,9 @@ class OpenVocabulary:
     def _propose(self, high, low, missing, step):
         high, low, occurrences, first = id_map.distinct_missing(high, low, missing)
         wanted = ops.logical_and(first, self._admitted(high, low, occurrences, step))
+        if self.sightings is not None:
+            seen = self.sightings.add(high, low, occurrences, first, step)
+            wanted = ops.logical_and(wanted, ops.greater_equal(seen, self.admit_after))
         home = keys.home_rows(high, low, self.seed, self.capacity)
         rows, evicted = id_map.place(self.last_seen, home, wanted, self.probes, step,
                                      self.eviction, self.ttl, self.placement_rounds)
@@ -211,6 +234,8 @@ class OpenVocabulary:
         # read above: XLA then writes in place instead of copying the map).
         backend.scatter_where(self.keys, safe, ops.stack([high, low], axis=1), new)
         backend.scatter_where(self.last_seen, safe, ops.maximum(seen, step), valid)
+        if self.sightings is not None:
+            self.sightings.forget(high, low, new)
         self._count("admitted", ops.sum(ops.cast(new, "int32")))
         self._count("evicted", ops.sum(ops.cast(ops.logical_and(new, evicted), "int32")))
 
