@@ -86,13 +86,16 @@ test-tensorflow: $(STAMP)
 
 # The benchmark suite (docs/benchmarks.md): full run ~45 min + the production-shaped
 # grid (dlrm_step.py) ~40 min + every updater (updaters.py) ~3 min + table precision
-# (precision.py, both backends) ~15 min; quick ~10 min.
+# (precision.py, both backends) ~15 min + open vocabularies (open_vocabulary.py) ~4 min;
+# quick ~12 min.
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
 	$(BIN)/python benchmarks/dlrm_step.py
 	$(BIN)/python benchmarks/updaters.py
 	KERAS_BACKEND=jax $(BIN)/python benchmarks/precision.py
 	KERAS_BACKEND=tensorflow $(BIN)/python benchmarks/precision.py
+	KERAS_BACKEND=jax $(BIN)/python benchmarks/open_vocabulary.py
+	KERAS_BACKEND=tensorflow $(BIN)/python benchmarks/open_vocabulary.py
 
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/run.py --quick
@@ -100,6 +103,8 @@ bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/updaters.py --quick
 	KERAS_BACKEND=jax $(BIN)/python benchmarks/precision.py --quick
 	KERAS_BACKEND=tensorflow $(BIN)/python benchmarks/precision.py --quick
+	KERAS_BACKEND=jax $(BIN)/python benchmarks/open_vocabulary.py --quick
+	KERAS_BACKEND=tensorflow $(BIN)/python benchmarks/open_vocabulary.py --quick
 
 # Optional peers for the suite's TorchRec/FBGEMM rows (CPU builds, ~1 GB).
 bench-peers: $(STAMP)

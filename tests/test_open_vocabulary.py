@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import sparseopt
 from sparseopt.vocabulary import pending as pending_lib
 from tests.conftest import to_np
-from tests.helpers import dot_loss, registered_cases
+from tests.helpers import dot_loss, kinds, registered_cases
 from tests.vocabulary_reference import ReferenceVocabulary
 
 WIDTH, N_IDS, BATCH = 2, 3, 4
@@ -112,33 +112,38 @@ def test_the_map_follows_a_plain_python_reference_step_by_step(
         np.testing.assert_allclose(table[row], trained[key], rtol=1e-5, atol=1e-6)
 
 
-def test_every_updater_gives_a_reused_row_fresh_state():
-    """Registry-driven: each shipped updater (each test configuration), a table of 2
-    rows and 3 ids, so the third id evicts the row seen longest ago. Right after
-    that step, the row holds the initializer's value and every per-row slot its
-    initial value (the current step for `lazy=False`'s last update)."""
-    for case, (cls, kwargs) in registered_cases().items():
-        keras.backend.clear_session(free_memory=False)
-        model, layer = dynamic_model(2, cls(0.1, **kwargs), n_ids=1,
-                                     init=keras.initializers.Constant(0.25), probes=2)
-        y = np.ones((1, 1, WIDTH), "float32")
-        for key in (10, 20, 10, 20, 10, 20):  # both rows trained (state away from its start)
-            model.train_on_batch(np.array([[key]], "int32"), y)
-        before = layer.held_ids()
-        model.train_on_batch(np.array([[30]], "int32"), y)  # chosen: 10's row (seen longest ago)
-        row = before[10]
-        assert pending_rows(layer) == [row], case
-        state = model.optimizer.table_state(layer.embeddings)
-        np.testing.assert_array_equal(to_np(layer.embeddings)[row], 0.25, err_msg=case)
-        step = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
-        for spec in cls(0.1, **kwargs).slots:
-            if spec.per_row:
-                want = step if spec.holds_step else spec.initial_value
-                want = np.asarray(want, dtype=state[spec.name].dtype)
-                np.testing.assert_array_equal(to_np(state[spec.name])[row], want,
-                                              err_msg=f"{case} {spec.name}")
-        model.train_on_batch(np.array([[20]], "int32"), y)  # writes the hand-over
-        assert layer.held_ids() == {20: before[20], 30: row}, case
+CASES = registered_cases()
+
+
+# One of each kind of state (`make test-all`: every configuration of every updater).
+@pytest.mark.parametrize("case", kinds(sorted(CASES), [
+    "Adagrad:default", "Adam:ema", "Adam:default", "FrequencyAwareAdagrad:default",
+    "Ftrl:default", "RowwiseAdagrad:default", "SGD:default", "SGD:dense_momentum_decay"]))
+def test_every_updater_gives_a_reused_row_fresh_state(case):
+    """Registry-driven: a table of 2 rows and 3 ids, so the third id evicts the row
+    seen longest ago. Right after that step, the row holds the initializer's value
+    and every per-row slot its initial value (the current step for `lazy=False`'s
+    last update)."""
+    cls, kwargs = CASES[case]
+    model, layer = dynamic_model(2, cls(0.1, **kwargs), n_ids=1,
+                                 init=keras.initializers.Constant(0.25), probes=2)
+    y = np.ones((1, 1, WIDTH), "float32")
+    for key in (10, 20, 10, 20, 10, 20):  # both rows trained (state away from its start)
+        model.train_on_batch(np.array([[key]], "int32"), y)
+    before = layer.held_ids()
+    model.train_on_batch(np.array([[30]], "int32"), y)  # chosen: 10's row (seen longest ago)
+    row = before[10]
+    assert pending_rows(layer) == [row]
+    state = model.optimizer.table_state(layer.embeddings)
+    np.testing.assert_array_equal(to_np(layer.embeddings)[row], 0.25)
+    step = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+    for spec in cls(0.1, **kwargs).slots:
+        if spec.per_row:
+            want = step if spec.holds_step else spec.initial_value
+            want = np.asarray(want, dtype=state[spec.name].dtype)
+            np.testing.assert_array_equal(to_np(state[spec.name])[row], want, err_msg=spec.name)
+    model.train_on_batch(np.array([[20]], "int32"), y)  # writes the hand-over
+    assert layer.held_ids() == {20: before[20], 30: row}
 
 
 def pending_rows(layer):

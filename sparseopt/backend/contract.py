@@ -54,8 +54,8 @@ CONTRACT = {
     "scatter_where": "`scatter_where(variable, ids, rows, keep)`: the rows where `keep` "
                      "written in place (the others not written; ids may repeat with equal "
                      "rows).",
-    "lexsort": "`lexsort(keys)`: the order that sorts int32 `[N]` arrays `keys` together, the "
-               "first most significant (ties in every key: any order).",
+    "lexsort": "`lexsort(keys)`: the stable order that sorts int32 `[N]` arrays `keys` "
+               "together, the first most significant (ties in every key keep their order).",
     "STATEFUL_APPLY": "whether an optimizer step may write any variable (TF); where not "
                       "(JAX's stateless apply), only trainable and optimizer variables.",
     "bitcast": "`bitcast(values, dtype)`: the same bits as another 32-bit dtype (float32 and "

@@ -55,7 +55,7 @@ def scatter_where(variable, ids, rows, keep):
 def lexsort(keys):
     operands = [k.astype(jnp.int32) for k in keys]
     order = jnp.arange(operands[0].shape[0], dtype=jnp.int32)
-    return jax.lax.sort((*operands, order), num_keys=len(operands))[-1]
+    return jax.lax.sort((*operands, order), num_keys=len(operands), is_stable=True)[-1]
 
 
 # XLA:CPU has no bfloat16 scatter: it converts the whole table to float32 and

@@ -127,7 +127,6 @@ def place(last_seen, home, wanted, probes, step, evict, ttl, rounds):
     if evict == "lru":
         usable = ops.logical_or(usable, ops.less(seen, step))
     score = ops.where(usable, score, _FAR)
-    index = ops.arange(ops.shape(home)[0], dtype="int32")
     placed = ops.full(ops.shape(home), -1, "int32")
     pending = wanted
     for _ in range(rounds):
@@ -139,12 +138,14 @@ def place(last_seen, home, wanted, probes, step, evict, ttl, rounds):
         trying = ops.logical_and(pending, ops.less(best, _FAR))
         # The first candidate (in order) of each row wins it.
         order = backend.lexsort([ops.cast(ops.logical_not(trying), "int32"),
-                                 ops.where(trying, row, 0), index])
+                                 ops.where(trying, row, 0)])  # stable: index order in a tie
         row_s, trying_s = ops.take(row, order), ops.take(trying, order)
         new = ops.concatenate([ops.ones((1,), "bool"),
                                ops.not_equal(row_s[1:], row_s[:-1])], axis=0)
         wins_s = ops.logical_and(trying_s, new)
-        wins = ops.take(wins_s, ops.argsort(order))
+        # Back to candidate order (`order` is a permutation: each entry once).
+        wins = ops.greater(ops.scatter(ops.expand_dims(order, 1), ops.cast(wins_s, "int32"),
+                                       ops.shape(wins_s)), 0)
         placed = ops.where(wins, row, placed)
         pending = ops.logical_and(pending, ops.logical_not(wins))
     got = ops.greater_equal(placed, 0)

@@ -197,8 +197,7 @@ class OpenVocabulary:
                                      self.eviction, self.ttl, self.placement_rounds)
         placed = ops.greater_equal(rows, 0)
         # The first `admissions_per_step` placed ids, in order.
-        order = backend.lexsort([ops.cast(ops.logical_not(placed), "int32"),
-                                 ops.arange(ops.shape(rows)[0], dtype="int32")])
+        order = backend.lexsort([ops.cast(ops.logical_not(placed), "int32")])
         kept = self.admissions_per_step
         order = order[:kept]
         taken = ops.take(placed, order)
