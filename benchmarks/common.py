@@ -153,3 +153,35 @@ def recommender(tables, width, *, sparse=True, combiner="sum", initializer="unif
             keras.optimizers.OptimizerMap(dense_optimizer, table_optimizers))
     model.compile(optimizer=optimizer, loss=loss, metrics=metrics)
     return model
+
+
+def plot_loss_and_auc(curves, path, title, xlabel, ylabels, style=None):
+    """Two panels, loss and AUC, one line per variant, saved to `path`.
+
+    Args:
+        curves: `{variant: [(x, loss, auc), ...]}`.
+        path: the PNG to write.
+        title: the figure's title.
+        xlabel: the x axis' label.
+        ylabels: `(loss label, AUC label)`.
+        style: `style(variant)` -> matplotlib line keywords (default: dots).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, curve in curves.items():
+        x, loss, auc = zip(*curve)
+        kwargs = style(name) if style else dict(marker="o", markersize=3)
+        axes[0].plot(x, loss, label=name, **kwargs)
+        axes[1].plot(x, auc, label=name, **kwargs)
+    for ax, label in zip(axes, ylabels):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

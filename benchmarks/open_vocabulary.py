@@ -40,6 +40,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+import common  # noqa: E402
 import sparseopt  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
@@ -164,25 +165,10 @@ def step_times(x, y, universe, rows, batch, rounds=5, steps=10):
 
 
 def plot(curves, path, backend, rows, universe):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name, curve in curves.items():
-        c, loss, auc = zip(*curve)
-        axes[0].plot(c, loss, marker="o", markersize=3, label=name)
-        axes[1].plot(c, auc, marker="o", markersize=3, label=name)
-    axes[0].set_ylabel("log-loss on the next chunk")
-    axes[1].set_ylabel("AUC on the next chunk")
-    for ax in axes:
-        ax.set_xlabel("chunk of the stream")
-        ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.suptitle(f"Drifting ids, {universe:,} in all, {rows:,} rows ({backend})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    common.plot_loss_and_auc(curves, path,
+                             f"Drifting ids, {universe:,} in all, {rows:,} rows ({backend})",
+                             "chunk of the stream",
+                             ("log-loss on the next chunk", "AUC on the next chunk"))
 
 
 def main():

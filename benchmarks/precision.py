@@ -57,13 +57,15 @@ TABLE_ROWS = {f"c{i}": min(rows, ROWS_CAP) for i, rows in enumerate(common.CRITE
 VALIDATION_EXAMPLES = 50_000
 
 
+# Each table's updater by its rows (the first whose bound it reaches): row-wise
+# state for the largest, full Adagrad for mid-sized, FTRL for small ones.
+RULES = ((300_000, lambda: sparseopt.updaters.RowwiseAdagrad(0.05)),
+         (1_000, lambda: sparseopt.updaters.Adagrad(0.05)),
+         (0, lambda: sparseopt.updaters.Ftrl(0.05, l2_regularization_strength=1e-4)))
+
+
 def updater_for(rows):
-    """Row-wise state for the largest tables, full Adagrad for mid-sized, FTRL for small."""
-    if rows >= 300_000:
-        return sparseopt.updaters.RowwiseAdagrad(0.05)
-    if rows >= 1_000:
-        return sparseopt.updaters.Adagrad(0.05)
-    return sparseopt.updaters.Ftrl(0.05, l2_regularization_strength=1e-4)
+    return next(make() for bound, make in RULES if rows >= bound)
 
 
 def build(name, init=None):
@@ -157,28 +159,15 @@ def step_times(names, x, y, rounds, steps):
 
 
 def plot(curves, path, backend):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name, curve in curves.items():
-        seen, loss, auc = zip(*curve)
+    def style(name):
         # float32 underneath, wide and dashed: the others lie on it where they match.
-        style = (dict(color="black", linestyle="--", linewidth=3, zorder=0)
-                 if name == "float32" else dict(marker="o", markersize=4))
-        axes[0].plot(seen[1:], loss[1:], label=name, **style)
-        axes[1].plot(seen[1:], auc[1:], label=name, **style)
-    axes[0].set_ylabel("validation loss")
-    axes[1].set_ylabel("validation AUC")
-    for ax in axes:
-        ax.set_xlabel("examples seen (one pass)")
-        ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.suptitle(f"Criteo-shaped DLRM, 26 tables, width {WIDTH}: table precision ({backend})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        return (dict(color="black", linestyle="--", linewidth=3, zorder=0)
+                if name == "float32" else dict(marker="o", markersize=4))
+
+    common.plot_loss_and_auc(
+        {name: curve[1:] for name, curve in curves.items()}, path,
+        f"Criteo-shaped DLRM, 26 tables, width {WIDTH}: table precision ({backend})",
+        "examples seen (one pass)", ("validation loss", "validation AUC"), style)
 
 
 def main():
