@@ -148,15 +148,15 @@ def _finish_on_row_shards(updater, table, slots, prepared, values, step, workspa
     (`_apply_shard`). So every shard reads the same whole state, which is
     updated once per step however the ids are routed.
     """
+    split = {n: v for n, v in slots.items() if _kinds(updater)[n].per_row}
     whole = {}
     if updater.whole_slots:
         distinct = prepared.global_distinct()
         if factor is not None:
             distinct = distinct.scaled(factor)
-        per_row = sorted(n for n in slots if _kinds(updater)[n].per_row)
-        whole = _update_whole(updater, table, slots, per_row, distinct, finite, values, step)
+        whole = _update_whole(updater, table, slots, sorted(split), distinct, finite, values,
+                              step)
     record = prepared.record if factor is None else prepared.record.scaled(factor)
-    split = {n: v for n, v in slots.items() if _kinds(updater)[n].per_row}
     # `(values, whole)` go to every shard as they are (replicated).
     return backend.on_row_shards(_apply_shard, backend.row_shards(table), updater, table,
                                  split, record, (values, whole), step, workspace, rounding)

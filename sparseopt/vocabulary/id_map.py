@@ -129,9 +129,9 @@ def place(last_seen, home, wanted, probes, step, evict, ttl, rounds):
     score = ops.where(usable, score, _FAR)
     placed = ops.full(ops.shape(home), -1, "int32")
     pending = wanted
-    for _ in range(rounds):
-        taken = _taken(rows, placed)
-        score = ops.where(taken, _FAR, score)
+    for round_ in range(rounds):
+        if round_:  # (nothing is taken before the first round)
+            score = ops.where(_taken(rows, placed), _FAR, score)
         pick = ops.argmin(score, axis=1)
         best = ops.take_along_axis(score, ops.expand_dims(pick, 1), axis=1)[:, 0]
         row = ops.take_along_axis(rows, ops.expand_dims(pick, 1), axis=1)[:, 0]
