@@ -21,7 +21,8 @@ weights:
 - `row per id`: a `SparseEmbedding` with a row for each id of the universe
   (ids mapped to their index: the memory ceiling).
 
-`R` is a quarter of the universe. Each chunk is first evaluated (log-loss and
+`R` is a quarter of the universe (`--rows-divisor 8`: an eighth, fewer rows
+than the ids alive at once, so the open vocabulary evicts all along). Each chunk is first evaluated (log-loss and
 AUC on examples the model has not trained on: progressive validation), then
 trained on. Then the step time of each variant at batch 4,096 and 16,384,
 round-robin on the same batches, and the bytes of tables, optimizer state and
@@ -174,10 +175,13 @@ def plot(curves, path, backend, rows, universe):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rows-divisor", type=int, default=4,
+                        help="rows of the open and hashed tables: the universe / this "
+                             "(8: fewer rows than live ids, so the table overflows)")
     args = parser.parse_args()
     universe = 200_000 if args.quick else 800_000
     chunks_n, per_chunk = (12, 50_000) if args.quick else (20, 100_000)
-    rows = universe // 4
+    rows = universe // args.rows_divisor
     backend = keras.backend.backend()
     print(f"open vocabulary benchmark: {backend}, {universe:,} ids, {rows:,} rows, "
           f"{chunks_n} chunks of {per_chunk:,}", flush=True)
@@ -197,7 +201,8 @@ def main():
               f" | {auc:.4f} | {memories[name] / 2**20:.1f} | {ms[4096][name]:.1f} | "
               f"{ms[4096][name] / ms[4096]['row per id']:.2f}x | {ms[16384][name]:.1f} | "
               f"{ms[16384][name] / ms[16384]['row per id']:.2f}x |")
-    suffix = f"{backend}{'_quick' if args.quick else ''}"
+    suffix = (f"{backend}{'_quick' if args.quick else ''}"
+              f"{'' if args.rows_divisor == 4 else f'_rows_{args.rows_divisor}'}")
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / f"open_vocabulary_{suffix}.json", "w") as f:
         json.dump({"backend": backend, "universe": universe, "rows": rows,
