@@ -109,6 +109,11 @@ def random_bits(key, step, ids, width):
     return mix32(ops.expand_dims(per_row, 1) + ops.expand_dims(column, 0))
 
 
+def uniform(bits):
+    """float32 in [0, 1) from uint32 random bits (their top 24: exact in float32)."""
+    return ops.cast(ops.right_shift(bits, 8), "float32") * 2.0**-24
+
+
 def stochastic_round(values, dtype, bits):
     """float32 `values` rounded to the neighbouring `dtype` values, unbiased.
 
@@ -135,7 +140,7 @@ def stochastic_round(values, dtype, bits):
                         np.uint32(0xFFFFE000)), "float32")
     fixed = magnitude * 2.0**24
     low = ops.floor(fixed)
-    draw = ops.cast(ops.right_shift(bits, 8), "float32") * 2.0**-24  # [0, 1)
+    draw = uniform(bits)
     subnormal = (low + ops.cast(draw < fixed - low, "float32")) * 2.0**-24
     rounded = ops.where(magnitude >= 2.0**-14, normal, subnormal)
     return ops.where(values < 0, -rounded, rounded)

@@ -3,9 +3,9 @@
 import keras
 from keras import ops
 
-from sparseopt import backend, compat
+from sparseopt import backend
 from sparseopt.layers.sparse_embedding import SparseEmbedding
-from sparseopt.ops.lookup import PlainOptimizerGuard
+from sparseopt.ops.lookup import PlainOptimizerGuard, layer_state
 from sparseopt.vocabulary import keys as keys_lib
 from sparseopt.vocabulary import new_rows
 from sparseopt.vocabulary.open_vocabulary import OpenVocabulary
@@ -78,11 +78,7 @@ class DynamicEmbedding(SparseEmbedding):
         init = keras.initializers.Constant(initial)
         if trainable:
             # State, not a weight: written by the optimizer, never trained.
-            with keras.name_scope(self.name, caller=self):
-                variable = keras.Variable(initializer=init, shape=shape, dtype=dtype,
-                                          trainable=True, name=name)
-            compat.track_state(self, variable)
-            return variable
+            return layer_state(self, name, dtype, True, shape=shape, initializer=init)
         return self.add_weight(shape=shape, initializer=init, dtype=dtype, trainable=False,
                                name=name)
 

@@ -75,14 +75,14 @@ class SparseLookup:
         self.table = table
         self.storage = storage_lib.from_argument(storage, f"SparseLookup of '{table.path}'")
         base = table.name.replace("/", "_")
-        self.num_dropped_ids = _layer_state(layer, f"{base}_dropped_ids", "int32", False)
+        self.num_dropped_ids = layer_state(layer, f"{base}_dropped_ids", "int32", False)
         guard = PlainOptimizerGuard(layer.name, table.path)
         if backend.PROBE_IS_WEIGHT:
             self.probe = layer.add_weight(
                 shape=(), initializer="zeros", trainable=True, name=f"{base}_sparse_grad",
                 constraint=guard)
         else:
-            self.probe = _layer_state(layer, f"{base}_sparse_grad", layer.variable_dtype, True)
+            self.probe = layer_state(layer, f"{base}_sparse_grad", layer.variable_dtype, True)
             self.probe.constraint = guard
         self.layer_name = layer.name
         self.compute_dtype = layer.compute_dtype
@@ -282,10 +282,15 @@ def check_ids_dtype(ids, layer_name, table_path):
         )
 
 
-def _layer_state(layer, name, dtype, trainable):
-    """A zero scalar that is state of `layer` but not one of its weights."""
+def layer_state(layer, name, dtype, trainable, shape=(), initializer="zeros"):
+    """A variable that is state of `layer` but not one of its weights.
+
+    Named like the layer's weights; trainable state is in the model's
+    `trainable_variables` (so that JAX's stateless step passes it) without
+    being a weight.
+    """
     with keras.name_scope(layer.name, caller=layer):  # named like the layer's weights
-        variable = keras.Variable(initializer=keras.initializers.Zeros(), shape=(),
+        variable = keras.Variable(initializer=keras.initializers.get(initializer), shape=shape,
                                   dtype=dtype, trainable=trainable, name=name)
     compat.track_state(layer, variable)
     return variable

@@ -28,11 +28,6 @@ def check(initializer, layer_name):
             "supported there. Use RandomUniform, RandomNormal, Zeros, Ones or Constant.")
 
 
-def _uniform(bits):
-    """[0, 1) from uint32 bits (their top 24)."""
-    return ops.cast(ops.right_shift(bits, 8), "float32") * 2.0**-24
-
-
 def initial_rows(initializer, rows, width, step, seed):
     """float32 `[A, width]` first values of rows `rows` (int32 `[A]`) at `step`.
 
@@ -52,9 +47,9 @@ def initial_rows(initializer, rows, width, step, seed):
     first = precision.random_bits(precision.stream_key(seed, 255, 0), step, rows, width)
     if isinstance(initializer, keras.initializers.RandomUniform):
         low, high = float(initializer.minval), float(initializer.maxval)
-        return low + (high - low) * _uniform(first)
+        return low + (high - low) * precision.uniform(first)
     second = precision.random_bits(precision.stream_key(seed, 255, 1), step, rows, width)
     # Box-Muller: u1 in (0, 1], so the log is finite.
-    u1 = 1.0 - _uniform(first)
-    normal = ops.sqrt(-2.0 * ops.log(u1)) * ops.cos(2.0 * math.pi * _uniform(second))
+    u1 = 1.0 - precision.uniform(first)
+    normal = ops.sqrt(-2.0 * ops.log(u1)) * ops.cos(2.0 * math.pi * precision.uniform(second))
     return float(initializer.mean) + float(initializer.stddev) * normal

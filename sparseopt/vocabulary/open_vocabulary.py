@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from keras import ops
 
-from sparseopt import backend
+from sparseopt import backend, precision
 from sparseopt.vocabulary import id_map, keys, new_rows, pending
 from sparseopt.vocabulary.sightings import SightingCounts
 
@@ -214,7 +214,7 @@ class OpenVocabulary:
         if self.admit_probability >= 1.0:
             return ops.ones(ops.shape(high), "bool")
         bits = keys.hashed(ops.bitwise_xor(high, ops.cast(step, "int32")), low, self.seed + 1)
-        draw = ops.cast(ops.right_shift(bits, 8), "float32") * 2.0**-24
+        draw = precision.uniform(bits)
         # p per sighting, `occurrences` sightings: 1 - (1 - p)^k.
         chance = 1.0 - ops.power(1.0 - self.admit_probability,
                                  ops.cast(occurrences, "float32"))
