@@ -7,6 +7,8 @@ import sys
 import keras
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from keras import ops
 
 import sparseopt
@@ -229,3 +231,41 @@ def test_fill_in_blocks_gives_the_blocks_in_order_on_either_backend():
         table = keras.Variable(np.zeros((4, 2), "float32"), name="t")
         with pytest.raises(ValueError, match="'t'.*never split by rows"):
             backend.on_row_shards(None, None, None, table, {}, None, {}, 1, None, None)
+
+
+@settings(max_examples=25, deadline=None)
+@given(keys=st.lists(st.tuples(st.integers(-2, 1), st.integers(-3, 3)), min_size=1,
+                     max_size=40),
+       seed=st.integers(0, 2**16), k=st.integers(1, 12))
+def test_the_batch_dedup_plumbing_matches_plain_python(keys, seed, k):
+    """`first_occurrences` (a hash dedup: JAX a scratch table, TF `tf.unique`), `first_true`
+    and `scatter_min` against Python loops, on few distinct keys (many repeats, pairs
+    that share a half)."""
+    from sparseopt import backend
+
+    rng = np.random.default_rng(seed)
+    high = np.array([h for h, _ in keys], "int32")
+    low = np.array([lo for _, lo in keys], "int32")
+    active = rng.random(len(keys)) < 0.7
+    first, want = {}, []
+    for i, key in enumerate(keys):
+        want.append(first.setdefault(key, i) if active[i] else i)
+    got = to_np(backend.first_occurrences(ops.convert_to_tensor(high),
+                                          ops.convert_to_tensor(low),
+                                          ops.convert_to_tensor(active)))
+    np.testing.assert_array_equal(got, want)
+
+    trues = list(np.nonzero(active)[0][:k])
+    np.testing.assert_array_equal(to_np(backend.first_true(ops.convert_to_tensor(active), k)),
+                                  trues + [-1] * (k - len(trues)))
+
+    var = keras.Variable(np.full((5,), 10, "int32"), dtype="int32", trainable=False)
+    ids = rng.integers(0, 5, len(keys)).astype("int32")
+    values = rng.integers(-20, 20, len(keys)).astype("int32")
+    backend.scatter_min(var, ops.convert_to_tensor(ids), ops.convert_to_tensor(values),
+                        ops.convert_to_tensor(active))
+    expect = np.full((5,), 10)
+    for i, v, a in zip(ids, values, active):
+        if a:
+            expect[i] = min(expect[i], v)
+    np.testing.assert_array_equal(to_np(var), expect)

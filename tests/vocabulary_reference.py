@@ -24,15 +24,6 @@ def home(key, seed, capacity):
     return _mix(((start * 0x9E3779B9) & M) ^ low) % capacity
 
 
-def _signed(x):
-    return x - (1 << 32) if x >= 1 << 31 else x
-
-
-def order_key(key):
-    """Ids are taken in order of their (signed) high half, then (signed) low half."""
-    return (key >> 32, _signed(key & M))
-
-
 class _Map:
     """Open addressing: row -> id, row -> last seen step (-1: no id)."""
 
@@ -163,14 +154,15 @@ class ReferenceVocabulary:
         for k, r in zip(keys, rows):
             if r < 0:
                 occurrences[k] = occurrences.get(k, 0) + 1
-        missing = sorted(occurrences, key=order_key)
+        missing = list(occurrences)  # in the order first seen in the batch
         wanted = missing
         if self.admit_after > 1:
             totals = self._sighted(missing, occurrences, s)
             wanted = [k for k, t in zip(missing, totals) if t >= self.admit_after]
-        placed = self.map.place(wanted, s, self.eviction, self.rounds)
-        chosen = [c for c in range(len(wanted)) if placed[c] is not None][:self.admissions]
+        trying = wanted[:self.admissions]  # the first ones; the others wait
+        placed = self.map.place(trying, s, self.eviction, self.rounds)
+        chosen = [c for c in range(len(trying)) if placed[c] is not None]
         self.counts["unplaced"] += len(wanted) - len(chosen)
-        self.pending = ([(wanted[c], placed[c][0], s, placed[c][1]) for c in chosen]
+        self.pending = ([(trying[c], placed[c][0], s, placed[c][1]) for c in chosen]
                         if applied else [])
         return rows

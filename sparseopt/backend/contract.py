@@ -54,8 +54,14 @@ CONTRACT = {
     "scatter_where": "`scatter_where(variable, ids, rows, keep)`: the rows where `keep` "
                      "written in place (the others not written; ids may repeat with equal "
                      "rows).",
-    "lexsort": "`lexsort(keys)`: the stable order that sorts int32 `[N]` arrays `keys` "
-               "together, the first most significant (ties in every key keep their order).",
+    "scatter_min": "`scatter_min(variable, ids, values, keep)`: int32 `variable[ids] = "
+                   "min(variable[ids], values)` in place where `keep` (ids may repeat: the "
+                   "least value wins).",
+    "first_occurrences": "`first_occurrences(high, low, active)`: for int32 `[N]` key "
+                         "halves, the position of the first `active` entry with each entry's "
+                         "key where `active`, else the entry's own (a hash dedup, no sort).",
+    "first_true": "`first_true(mask, k)`: int32 `[k]` positions of the first `k` True entries "
+                  "of a bool `[N]` mask, in order (-1 past them).",
     "STATEFUL_APPLY": "whether an optimizer step may write any variable (TF); where not "
                       "(JAX's stateless apply), only trainable and optimizer variables.",
     "bitcast": "`bitcast(values, dtype)`: the same bits as another 32-bit dtype (float32 and "

@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 
 from sparseopt.backend import jax_sharding
+from sparseopt.backend.jax_dedup import first_occurrences, first_true  # noqa: F401
 from sparseopt.backend.jax_rows import (  # noqa: F401 (bitcast, gather, scatter...: the contract)
-    Held, bitcast, distinct_padding, gather, gather_rows, lexsort, padding_ids, scatter,
-    scatter_where)
+    Held, bitcast, distinct_padding, gather, gather_rows, padding_ids, scatter,
+    scatter_min, scatter_where)
 from sparseopt.backend.jax_sharding import ROW_SHARDS, on_row_shards, row_shards  # noqa: F401
 from sparseopt.row_grads import Distinct
 

@@ -52,10 +52,10 @@ def scatter_where(variable, ids, rows, keep):
     variable.assign(_as_stored(new, value.dtype))
 
 
-def lexsort(keys):
-    operands = [k.astype(jnp.int32) for k in keys]
-    order = jnp.arange(operands[0].shape[0], dtype=jnp.int32)
-    return jax.lax.sort((*operands, order), num_keys=len(operands), is_stable=True)[-1]
+def scatter_min(variable, ids, values, keep):
+    value = variable.value
+    ids = jnp.where(keep, ids, value.shape[0])  # past the end: dropped
+    variable.assign(value.at[ids].min(values.astype(value.dtype), mode="drop"))
 
 
 # XLA:CPU has no bfloat16 scatter: it converts the whole table to float32 and

@@ -358,12 +358,30 @@ def scatter_where(variable, ids, rows, keep):
     scatter(variable, tf.boolean_mask(ids, keep), tf.boolean_mask(rows, keep))
 
 
-def lexsort(keys):
-    # Stable sorts from the least significant key up.
-    order = tf.range(tf.shape(keys[0])[0], dtype=tf.int32)
-    for key in reversed(keys):
-        order = tf.gather(order, tf.argsort(tf.gather(key, order), stable=True))
-    return order
+def scatter_min(variable, ids, values, keep):
+    # The entries not kept write the dtype's largest value to row 0: a min
+    # that changes nothing (cheaper than masking them out).
+    var = local(variable)
+    largest = var.dtype.max
+    var.scatter_min(tf.IndexedSlices(tf.where(keep, tf.cast(values, var.dtype), largest),
+                                     tf.where(keep, ids, tf.zeros_like(ids))))
+
+
+def first_occurrences(high, low, active):
+    # TF's own hash dedup (`tf.unique`: keys in the order first seen) of the
+    # 64-bit keys, then each key's first active position.
+    key = tf.bitwise.bitwise_or(tf.bitwise.left_shift(tf.cast(high, tf.int64), 32),
+                                tf.cast(tf.bitcast(low, tf.uint32), tf.int64))
+    _, which = tf.unique(key, out_idx=tf.int32)
+    n = tf.shape(high)[0]
+    position = tf.range(n, dtype=tf.int32)
+    first = tf.math.unsorted_segment_min(tf.where(active, position, n), which, n)
+    return tf.where(active, tf.gather(first, which), position)
+
+
+def first_true(mask, k):
+    at = tf.cast(tf.where(mask)[:k, 0], tf.int32)
+    return tf.pad(at, [[0, k - tf.shape(at)[0]]], constant_values=-1)
 
 
 # Keras' TF optimizers run eagerly or in a graph on real variables: an

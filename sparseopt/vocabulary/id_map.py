@@ -9,9 +9,10 @@ a row (a key is placed only where it was not found, in a row no other key
 holds or one whose key is evicted); and a row's identity is its index, so
 the table, its optimizer state and the map stay aligned.
 
-Every function here writes nothing (`keras.ops` plus `backend.lexsort`,
-reading the map's variables only by gathers: never a copy of the whole),
-and is sized by the batch's ids times `probes`, never by the table.
+Every function here is `keras.ops` plus the backend's in-place gathers and
+scatters (never a copy of the map), sized by the batch's ids times
+`probes`, never by the table; only `place` writes, and it leaves the map as
+it found it.
 """
 
 import numpy as np
@@ -21,6 +22,9 @@ from sparseopt import backend
 
 EMPTY = -1  # last_seen of a row no key holds
 _FAR = np.int32(np.iinfo(np.int32).max)
+# Placement's claims in `last_seen`: the first candidate's is the least, and
+# every claim is below EMPTY.
+_CLAIMED = np.int32(np.iinfo(np.int32).min + 1)
 
 
 def window(home, probes, capacity):
@@ -57,40 +61,16 @@ def find(keys, last_seen, high, low, home, probes, step, ttl=None):
     Returns:
         int32 `[N]` rows (-1: not held).
     """
-    rows = window(home, probes, keys.shape[0])
-    flat = ops.reshape(rows, (-1,))
+    capacity = keys.shape[0]
+    flat = ops.reshape(window(home, probes, capacity), (-1,))
     held = ops.reshape(backend.gather_from_resource(keys, flat), (-1, probes, 2))
     alive = live(ops.reshape(backend.gather_from_resource(last_seen, flat), (-1, probes)),
                  step, ttl)
     match = ops.logical_and(
         ops.logical_and(ops.equal(held[..., 0], ops.expand_dims(high, 1)),
                         ops.equal(held[..., 1], ops.expand_dims(low, 1))), alive)
-    first = ops.argmax(ops.cast(match, "int32"), axis=1)
-    row = ops.take_along_axis(rows, ops.expand_dims(first, 1), axis=1)[:, 0]
+    row = _row(home, ops.argmax(ops.cast(match, "int32"), axis=1), capacity)
     return ops.where(ops.any(match, axis=1), row, -1)
-
-
-def distinct_missing(high, low, missing):
-    """The distinct keys among those `missing`, each with its number of occurrences.
-
-    Returns:
-        `(high, low, occurrences, is_first)`, each `[N]`: the keys in sorted
-        order (`backend.lexsort`), occurrences of each sorted entry's key
-        among the missing ones, and whether the entry is its key's first
-        (the distinct missing keys are those entries).
-    """
-    order = backend.lexsort([ops.cast(ops.logical_not(missing), "int32"), high, low])
-    high, low = ops.take(high, order), ops.take(low, order)
-    missing = ops.take(missing, order)
-    same = ops.logical_and(ops.equal(high[1:], high[:-1]), ops.equal(low[1:], low[:-1]))
-    same = ops.logical_and(same, missing[1:])
-    is_first = ops.logical_and(
-        missing, ops.concatenate([ops.ones((1,), "bool"), ops.logical_not(same)], axis=0))
-    run = ops.cumsum(ops.cast(is_first, "int32")) - 1
-    run = ops.where(missing, run, 0)
-    counts = ops.segment_sum(ops.cast(missing, "int32"), run,
-                             num_segments=ops.shape(high)[0])
-    return high, low, ops.take(counts, run), is_first
 
 
 def place(last_seen, home, wanted, probes, step, evict, ttl, rounds):
@@ -99,14 +79,21 @@ def place(last_seen, home, wanted, probes, step, evict, ttl, rounds):
     A row is free when no key holds it (or its key expired, `ttl`); where
     `evict == "lru"` and a window has no free row, its least recently seen
     row is taken, unless it was seen in this step. Keys that want the same
-    row go in order (the first wins; the others try their next best row in
-    the next round). After `rounds` rounds, keys still without a row get
-    none this step.
+    row go in order (the first wins; the others try their next best row,
+    leaving out every row taken so far, in the next round). After `rounds`
+    rounds, keys still without a row get none this step.
+
+    Contested rows are settled in place, without sorting: each key trying a
+    row writes a claim into its `last_seen` entry (`backend.scatter_min`:
+    the least claim, the first key's, stays), and reads it back to learn
+    whether it won. Claims are below every real entry, so later rounds see
+    the rows taken; every claimed row is one a key won, and all are given
+    back their last-seen step before this returns (the map is unchanged).
 
     Args:
         last_seen: the int32 `[V]` last-seen steps variable, with this
             step's lookups already marked (so that their rows are never taken).
-        home: int32 `[C]` home rows of the candidate keys.
+        home: int32 `[C]` home rows of the candidate keys, in order.
         wanted: bool `[C]`, which candidates to place.
         probes, step, ttl: as for `find`.
         evict: `"lru"` or `"none"`.
@@ -117,9 +104,9 @@ def place(last_seen, home, wanted, probes, step, evict, ttl, rounds):
         whether the row taken held a live key.
     """
     capacity = last_seen.shape[0]
-    rows = window(home, probes, capacity)
-    seen = ops.reshape(backend.gather_from_resource(last_seen, ops.reshape(rows, (-1,))),
-                       (-1, probes))
+    offsets = ops.arange(probes, dtype="int32")
+    flat = ops.reshape(window(home, probes, capacity), (-1,))
+    seen = ops.reshape(backend.gather_from_resource(last_seen, flat), (-1, probes))
     alive = live(seen, step, ttl)
     # Lower is better: a free row (-1), else the oldest (lru); unusable: _FAR.
     score = ops.where(alive, seen, -1)
@@ -127,41 +114,31 @@ def place(last_seen, home, wanted, probes, step, evict, ttl, rounds):
     if evict == "lru":
         usable = ops.logical_or(usable, ops.less(seen, step))
     score = ops.where(usable, score, _FAR)
+    claim = _CLAIMED + ops.arange(ops.shape(home)[0], dtype="int32")
     placed = ops.full(ops.shape(home), -1, "int32")
+    held, before = ops.zeros(ops.shape(home), "bool"), ops.zeros(ops.shape(home), "int32")
     pending = wanted
     for round_ in range(rounds):
-        if round_:  # (nothing is taken before the first round)
-            score = ops.where(_taken(rows, placed), _FAR, score)
-        pick = ops.argmin(score, axis=1)
-        best = ops.take_along_axis(score, ops.expand_dims(pick, 1), axis=1)[:, 0]
-        row = ops.take_along_axis(rows, ops.expand_dims(pick, 1), axis=1)[:, 0]
+        if round_:  # rows won in earlier rounds hold claims (nothing is taken before)
+            now = ops.reshape(backend.gather_from_resource(last_seen, flat), (-1, probes))
+            score = ops.where(ops.less(now, EMPTY), _FAR, score)
+        pick = ops.cast(ops.argmin(score, axis=1), "int32")
+        at = ops.equal(offsets, ops.expand_dims(pick, 1))  # one-hot (cheaper than a gather)
+        best = ops.min(score, axis=1)
+        row = _row(home, pick, capacity)
         trying = ops.logical_and(pending, ops.less(best, _FAR))
-        # The first candidate (in order) of each row wins it.
-        order = backend.lexsort([ops.cast(ops.logical_not(trying), "int32"),
-                                 ops.where(trying, row, 0)])  # stable: index order in a tie
-        row_s, trying_s = ops.take(row, order), ops.take(trying, order)
-        new = ops.concatenate([ops.ones((1,), "bool"),
-                               ops.not_equal(row_s[1:], row_s[:-1])], axis=0)
-        wins_s = ops.logical_and(trying_s, new)
-        # Back to candidate order (`order` is a permutation: each entry once).
-        wins = ops.greater(ops.scatter(ops.expand_dims(order, 1), ops.cast(wins_s, "int32"),
-                                       ops.shape(wins_s)), 0)
+        backend.scatter_min(last_seen, row, claim, trying)
+        wins = ops.logical_and(
+            trying, ops.equal(backend.gather_from_resource(last_seen, row), claim))
         placed = ops.where(wins, row, placed)
+        held = ops.where(wins, ops.any(ops.logical_and(at, alive), axis=1), held)
+        before = ops.where(wins, ops.sum(ops.where(at, seen, 0), axis=1), before)
         pending = ops.logical_and(pending, ops.logical_not(wins))
     got = ops.greater_equal(placed, 0)
-    return placed, ops.logical_and(got, _at_placed(rows, alive, placed))
+    backend.scatter_where(last_seen, ops.maximum(placed, 0), before, got)
+    return placed, ops.logical_and(got, held)
 
 
-def _taken(rows, placed):
-    """bool `[C, probes]`: whether each window row is one of the `placed` rows."""
-    sorted_rows = ops.sort(ops.where(ops.greater_equal(placed, 0), placed, _FAR))
-    flat = ops.reshape(rows, (-1,))
-    at = ops.minimum(ops.cast(ops.searchsorted(sorted_rows, flat), "int32"),
-                     ops.shape(sorted_rows)[0] - 1)
-    return ops.reshape(ops.equal(ops.take(sorted_rows, at), flat), ops.shape(rows))
-
-
-def _at_placed(rows, values, placed):
-    """`values[c, j]` where `rows[c, j] == placed[c]` (False where not placed)."""
-    here = ops.equal(rows, ops.expand_dims(placed, 1))
-    return ops.any(ops.logical_and(here, values), axis=1)
+def _row(home, offset, capacity):
+    """The row `offset` rows into the windows at `home` (int32 `[N]` each)."""
+    return ops.mod(home + ops.cast(offset, "int32"), capacity)

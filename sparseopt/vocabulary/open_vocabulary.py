@@ -30,7 +30,7 @@ from sparseopt.vocabulary import id_map, keys, new_rows, pending
 from sparseopt.vocabulary.sightings import SightingCounts
 
 EVICTIONS = ("lru", "none")
-DEFAULT_PROBES = 16
+DEFAULT_PROBES = 8  # 16: 2% more rows held when full, 10-20% more step (docs)
 # What `counts` totals: lookups of ids not held (they read zeros), ids given a
 # row, rows taken from another id, and ids that qualified but found no row
 # in their window (or were over `admissions_per_step`) in their step.
@@ -64,7 +64,7 @@ class OpenVocabulary:
     Args:
         capacity: the table's rows: at most this many ids hold a row at once.
         probes: the rows an id may live in, from its home row on (its
-            window); None: 16, or `capacity` if smaller.
+            window); None: 8, or `capacity` if smaller.
         admit_probability: the chance that one sighting of an id not held
             gives it a row (1: the first sighting does). An id seen `k` times
             in a step is admitted with `1 - (1 - p)^k`; the coin is a hash of
@@ -80,8 +80,9 @@ class OpenVocabulary:
             its row is free), or None.
         seed: for the hash that places ids and the admission coin.
         admissions_per_step: the most ids a step admits (the size of the
-            hand-over to the next call); more qualifying ids wait for a
-            later sighting.
+            hand-over to the next call): the first this many qualifying ids,
+            in the order first seen in the batch, try for a row; the others
+            wait for a later sighting.
         placement_rounds: rounds in which ids that want the same row try
             their next best one.
     """
@@ -187,27 +188,28 @@ class OpenVocabulary:
         return rows, self._propose(high, low, missing, step)
 
     def _propose(self, high, low, missing, step):
-        high, low, occurrences, first = id_map.distinct_missing(high, low, missing)
-        wanted = ops.logical_and(first, self._admitted(high, low, occurrences, step))
+        n = ops.shape(high)[0]
+        first = backend.first_occurrences(high, low, missing)
+        # The distinct ids not held, each at its first entry, with its sightings.
+        is_first = ops.logical_and(missing, ops.equal(first, ops.arange(n, dtype="int32")))
+        occurrences = ops.segment_sum(ops.cast(missing, "int32"), first, num_segments=n)
+        wanted = ops.logical_and(is_first, self._admitted(high, low, occurrences, step))
         if self.sightings is not None:
-            seen = self.sightings.add(high, low, occurrences, first, step)
+            seen = self.sightings.add(high, low, occurrences, is_first, step)
             wanted = ops.logical_and(wanted, ops.greater_equal(seen, self.admit_after))
+        # The first `admissions_per_step` qualifying ids, in the order first seen.
+        chosen = backend.first_true(wanted, self.admissions_per_step)
+        valid = ops.greater_equal(chosen, 0)
+        at = ops.maximum(chosen, 0)
+        high, low = ops.take(high, at), ops.take(low, at)
         home = keys.home_rows(high, low, self.seed, self.capacity)
-        rows, evicted = id_map.place(self.last_seen, home, wanted, self.probes, step,
+        rows, evicted = id_map.place(self.last_seen, home, valid, self.probes, step,
                                      self.eviction, self.ttl, self.placement_rounds)
         placed = ops.greater_equal(rows, 0)
-        # The first `admissions_per_step` placed ids, in order.
-        order = backend.lexsort([ops.cast(ops.logical_not(placed), "int32")])
-        kept = self.admissions_per_step
-        order = order[:kept]
-        taken = ops.take(placed, order)
         self._count("unplaced", ops.sum(ops.cast(wanted, "int32"))
-                    - ops.sum(ops.cast(taken, "int32")))
-        return Proposals(high=_padded(ops.take(high, order), kept),
-                         low=_padded(ops.take(low, order), kept),
-                         rows=_padded(ops.take(rows, order), kept),
-                         evicted=_padded(ops.take(evicted, order), kept),
-                         valid=_padded(taken, kept), step=step)
+                    - ops.sum(ops.cast(placed, "int32")))
+        return Proposals(high=high, low=low, rows=rows, evicted=evicted, valid=placed,
+                         step=step)
 
     def _admitted(self, high, low, occurrences, step):
         """Whether each id's sightings in this step win it a row (the admission coin)."""
@@ -302,8 +304,3 @@ class OpenVocabulary:
             alive &= seen > now - self.ttl
         rows = np.nonzero(alive)[0]
         return dict(zip(keys.join_int64(held[rows]).tolist(), rows.tolist()))
-
-
-def _padded(x, n):
-    """`x` (`[m]`, `m <= n`) padded to `[n]` with zeros (False)."""
-    return ops.pad(x, [[0, n - ops.shape(x)[0]]])

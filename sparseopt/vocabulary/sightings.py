@@ -48,7 +48,7 @@ class SightingCounts:
         """Adds this step's sightings; returns each id's total so far.
 
         Args:
-            high, low: int32 `[C]` ids (`id_map.distinct_missing`'s order).
+            high, low: int32 `[C]` ids, in order (the first entries of new ids go first).
             occurrences: int32 `[C]` their sightings in this step.
             distinct: bool `[C]`: the entries that are distinct ids to count.
             step: int32 scalar, the vocabulary's step.
