@@ -138,8 +138,9 @@ class TableHealth(keras.callbacks.Callback):
     - with open-vocabulary tables (`DynamicEmbedding`), summed over them:
       `vocabulary_held` (rows holding an id now) and the running totals
       `vocabulary_admitted`, `vocabulary_evicted`, `vocabulary_default_lookups`
-      (lookups of ids not held) and `vocabulary_unplaced`
-      (`sparseopt.vocabulary.COUNTS`).
+      (lookups of ids not held), `vocabulary_found`, `vocabulary_probe_length`
+      and `vocabulary_unplaced` (`sparseopt.vocabulary.COUNTS`), and
+      `vocabulary_mean_probe_length` (rows read per id found; 1: its home row).
 
     With `warn=True` it also warns, naming each table whose count grew.
 
@@ -179,6 +180,8 @@ class TableHealth(keras.callbacks.Callback):
             stats = [v.stats() for v in vocabularies]
             for name in stats[0]:
                 logs[f"vocabulary_{name}"] = sum(s[name] for s in stats)
+            logs["vocabulary_mean_probe_length"] = (logs["vocabulary_probe_length"]
+                                                    / max(logs["vocabulary_found"], 1))
         scaler = self.model.optimizer
         if isinstance(scaler, keras.optimizers.LossScaleOptimizer):
             applied = int(ops.convert_to_numpy(optimizer.iterations)) - self._applied_before

@@ -43,8 +43,8 @@ def map_state(layer):
     seen = np.asarray(keras.ops.convert_to_numpy(v.last_seen.value))
     keys = sparseopt.vocabulary.join_int64(held)
     rows = {int(r): int(keys[r]) for r in np.nonzero(seen >= 0)[0]}
-    counts = dict(zip(sparseopt.vocabulary.COUNTS,
-                      keras.ops.convert_to_numpy(v.counts.value).tolist()))
+    stats = layer.vocabulary_stats()
+    counts = {name: stats[name] for name in sparseopt.vocabulary.COUNTS}
     high, low, row, step, evicted, valid = (np.asarray(keras.ops.convert_to_numpy(x))
                                             for x in pending_lib.decode(v.pending.value))
     ids = sparseopt.vocabulary.join_int64(np.stack([high, low], axis=-1))
@@ -73,8 +73,8 @@ settings_ = settings(max_examples=60 if THOROUGH else 6, deadline=None,
 def test_the_map_follows_a_plain_python_reference_step_by_step(
         capacity, probes, eviction, ttl, admissions, rounds, seed, admit_after, count_capacity,
         data):
-    """Lookups, LRU / TTL, placement in rounds, the hand-over and the totals, after
-    every step; and each id's row holds what SGD on that id's own gradients
+    """Lookups, LRU / TTL, placement in rounds, the hand-over, the totals and the delta
+    since a random step, after every step; and each id's row holds what SGD on that id's own gradients
     gives (zero-initialized rows: -lr x the sum of its gradients since it was
     given the row)."""
     keras.backend.clear_session(free_memory=False)
@@ -97,6 +97,12 @@ def test_the_map_follows_a_plain_python_reference_step_by_step(
         np.testing.assert_array_equal(got[1], want[1])
         assert got[2] == want[2]
         assert got[3] == want[3]
+        since = int(rng.integers(0, ref.step + 1))
+        delta, (changed, gone) = layer.delta(since), ref.delta(since)
+        assert delta.step == ref.step
+        assert dict(zip(delta.ids.tolist(), delta.rows.tolist())) == changed
+        assert sorted(delta.tombstones.tolist()) == sorted(gone)
+        np.testing.assert_array_equal(delta.values, to_np(layer.embeddings)[delta.rows])
         # SGD on the rows the step read (ids not held: nothing).
         grads = {}
         for key, row, g in zip(x.reshape(-1).tolist(), rows, y.reshape(-1, WIDTH) / BATCH):
@@ -221,6 +227,10 @@ def test_loss_scaling_and_table_health_see_the_vocabulary():
                      callbacks=[sparseopt.callbacks.TableHealth(warn=False)]).history
     assert logs["vocabulary_held"] == [5] and logs["vocabulary_admitted"] == [5]
     assert logs["vocabulary_evicted"] == [0]
+    stats = layer.vocabulary_stats()
+    assert logs["vocabulary_found"] == [stats["found"]] and stats["found"] >= 12
+    assert logs["vocabulary_mean_probe_length"] == [stats["probe_length"] / stats["found"]]
+    assert 1 <= logs["vocabulary_mean_probe_length"][0] <= 8  # the default probes
 
 
 def test_64_bit_ids_as_halves_and_int64_on_tensorflow():
@@ -310,6 +320,41 @@ def test_checkpoints_hold_the_map_and_resume_exactly(tmp_path):
     fresh, _ = dynamic_model(6, sparseopt.updaters.Adagrad(0.1), probes=3, init="uniform")
     fresh.load_weights(weights)
     np.testing.assert_array_equal(to_np(fresh(xs[0])), to_np(model(xs[0])))
+
+
+def test_a_delta_past_the_tombstone_log_is_refused_and_a_recent_one_is_whole():
+    """A log of 2 ids: after more replacements, a delta from before them would miss some,
+    so it is refused naming the fix; one from the last step still lists its tombstones."""
+    model, layer = dynamic_model(2, probes=2, admissions_per_step=2, tombstone_log=2,
+                                 n_ids=2)
+    y = np.ones((1, 2, WIDTH), "float32")
+    for pair in [[1, 2], [3, 4], [5, 6], [7, 8]]:
+        model.train_on_batch(np.array([pair], "int32"), y)
+    # Steps 2, 3, 4 gave both rows to new ids: 1 and 2 lost theirs to 3, 4 (chosen
+    # in step 2), 3 and 4 to 5, 6 (step 3), 5 and 6 to 7, 8 (step 4, handed over).
+    with pytest.raises(ValueError, match=r"'dyn'.*tombstone log \(2 entries\).*held_ids"):
+        layer.delta(1)
+    recent = layer.delta(3)
+    assert recent.step == 4
+    assert sorted(recent.tombstones.tolist()) == [5, 6]  # replaced by the hand-over of 7, 8
+    assert sorted(recent.ids.tolist()) == [7, 8]
+    with pytest.raises(ValueError, match="`tombstone_log` \\(1\\) must hold"):
+        sparseopt.layers.DynamicEmbedding(8, 2, sparseopt.updaters.SGD(0.1),
+                                          admissions_per_step=2, tombstone_log=1)
+
+
+def test_running_totals_count_past_two_to_the_31():
+    """The totals are int32 pairs with a carry: exact where one int32 would wrap."""
+    from sparseopt.vocabulary import counters
+
+    totals = keras.Variable(np.zeros((3, 2), "int32"), dtype="int32", trainable=False)
+    want = [0, 0, 0]
+    for i in range(20):
+        amount = (2**30 - 1) if i % 2 else 123_456_789
+        counters.add(totals, i % 3, amount)
+        want[i % 3] += amount
+    assert counters.read(totals) == want
+    assert max(want) > 2**32
 
 
 def test_what_open_vocabularies_do_not_support_yet_is_refused_naming_the_table():

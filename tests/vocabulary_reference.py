@@ -87,7 +87,9 @@ class ReferenceVocabulary:
         self.count = {}  # sightings map row -> count
         self.step = 0
         self.pending = []  # (id, row, step, evicted) of the last applied step
-        self.counts = {"default_lookups": 0, "admitted": 0, "evicted": 0, "unplaced": 0}
+        self.counts = {"default_lookups": 0, "found": 0, "probe_length": 0, "admitted": 0,
+                       "evicted": 0, "unplaced": 0}
+        self.lost = []  # (id, step): an id lost its row (taken by another, or expired)
 
     @property
     def key(self):
@@ -97,17 +99,34 @@ class ReferenceVocabulary:
     def seen(self):
         return self.map.seen
 
+    def _next_view(self):
+        """`(row -> id, row -> last seen, [(id, step)] lost)` as the next lookup sees them."""
+        key, seen, lost = dict(self.map.key), list(self.map.seen), []
+        for k, row, step, _ in self.pending:
+            if seen[row] >= 0 and key.get(row) != k:
+                lost.append((key[row], step))
+            key[row], seen[row] = k, max(seen[row], step)
+        return key, seen, lost
+
     def held(self):
         """`{id: row}` of live ids as the next lookup sees them (the hand-over written)."""
-        key, seen = dict(self.map.key), list(self.map.seen)
-        for k, row, step, _ in self.pending:
-            key[row], seen[row] = k, max(seen[row], step)
+        key, seen, _ = self._next_view()
         return {key[r]: r for r in range(self.capacity)
                 if r in key and seen[r] >= 0
                 and (self.ttl is None or seen[r] > self.step - self.ttl)}
 
+    def delta(self, since):
+        """`({id: row} seen or given a row after `since`, {ids lost after it, not held})`."""
+        key, seen, lost = self._next_view()
+        held = self.held()
+        changed = {k: r for k, r in held.items() if seen[r] > since}
+        gone = {k for k, step in self.lost + lost if step > since} - set(held)
+        return changed, gone
+
     def _commit(self):
         for key, row, step, evicted in self.pending:
+            if self.map.seen[row] >= 0 and self.map.key.get(row) != key:
+                self.lost.append((self.map.key[row], step))
             new = not (self.map.key.get(row) == key and self.map.seen[row] >= 0)
             self.map.key[row] = key
             self.map.seen[row] = max(self.map.seen[row], step)
@@ -145,8 +164,16 @@ class ReferenceVocabulary:
         self._commit()
         self.step += 1
         s = self.step
+        if self.ttl is not None:  # ids not seen for `ttl` steps expire now
+            self.lost += [(self.map.key[r], s) for r in range(self.capacity)
+                          if self.map.seen[r] >= 0 and self.map.seen[r] + self.ttl == s]
         rows = [self.map.find(k, s) for k in keys]
         self.counts["default_lookups"] += sum(r < 0 for r in rows)
+        for k, r in zip(keys, rows):
+            if r >= 0:
+                self.counts["found"] += 1
+                self.counts["probe_length"] += (r - home(k, self.map.seed, self.capacity)) % \
+                    self.capacity + 1
         for r in rows:
             if r >= 0:
                 self.map.seen[r] = s

@@ -41,7 +41,7 @@ class DynamicEmbedding(SparseEmbedding):
             64-bit ids on JAX. Otherwise ids are int32 (or int64 on
             TensorFlow) of any value.
         probes, admit_probability, eviction, ttl, seed, admissions_per_step,
-            placement_rounds, admit_after, count_capacity: as for
+            placement_rounds, admit_after, count_capacity, tombstone_log: as for
             `sparseopt.vocabulary.OpenVocabulary`.
         **kwargs: base `Layer` arguments.
     """
@@ -50,7 +50,7 @@ class DynamicEmbedding(SparseEmbedding):
                  combiner=None, storage=None, key_halves=False, probes=None,
                  admit_probability=1.0, eviction="lru", ttl=None, seed=0,
                  admissions_per_step=4096, placement_rounds=4, admit_after=1,
-                 count_capacity=None, **kwargs):
+                 count_capacity=None, tombstone_log=None, **kwargs):
         kwargs.pop("input_dim", None)
         super().__init__(capacity, output_dim, updater, embeddings_initializer, combiner,
                          storage, **kwargs)
@@ -60,7 +60,7 @@ class DynamicEmbedding(SparseEmbedding):
             capacity, probes=probes, admit_probability=admit_probability, eviction=eviction,
             ttl=ttl, seed=seed, admissions_per_step=admissions_per_step,
             placement_rounds=placement_rounds, admit_after=admit_after,
-            count_capacity=count_capacity)
+            count_capacity=count_capacity, tombstone_log=tombstone_log)
 
     @property
     def capacity(self):
@@ -130,6 +130,27 @@ class DynamicEmbedding(SparseEmbedding):
     def held_ids(self):
         """`{id: row}` of every id holding a row (reads the whole map: for export)."""
         return self.vocabulary.ids()
+
+    def delta(self, since_step=0):
+        """What a serving copy needs after it took this table at `since_step`.
+
+        Reads the whole map (NumPy, between steps): for export, not for the
+        training loop.
+
+        Args:
+            since_step: a `Delta.step` of an earlier call (the layer's
+                training steps; 0: everything).
+
+        Returns:
+            `sparseopt.vocabulary.Delta`: the ids whose rows may have
+            changed since, with their rows and values, the ids that lost
+            their row since (tombstones), and the step to ask from next.
+
+        Raises:
+            ValueError: more ids were replaced since `since_step` than
+                `tombstone_log` keeps.
+        """
+        return self.vocabulary.delta(int(since_step), self.embeddings, self.name)
 
     def get_config(self):
         config = super().get_config()

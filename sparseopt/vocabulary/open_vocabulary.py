@@ -7,7 +7,8 @@ layer's variables:
   (`id_map`), 12 bytes a row;
 - `steps`: the layer's training calls so far (its clock for LRU and TTL);
 - `pending`: the rows the last applied step gave to new ids (`pending`);
-- `counts`: int32 `[4]`, running totals of `COUNTS`;
+- `counts`: running totals of `COUNTS` (`counters`: int32 pairs, no wrap);
+- `tombstones`: the ids replaced in the map, with their steps, for `delta`;
 - with `admit_after`, the sighting counts (`sightings.SightingCounts`).
 
 A training call (`rows_for(..., training=True)`) first writes `pending` into
@@ -26,15 +27,41 @@ import numpy as np
 from keras import ops
 
 from sparseopt import backend, precision
-from sparseopt.vocabulary import id_map, keys, new_rows, pending
+from sparseopt.vocabulary import counters, id_map, keys, new_rows, pending
 from sparseopt.vocabulary.sightings import SightingCounts
+from sparseopt.vocabulary.tombstones import TombstoneLog
 
 EVICTIONS = ("lru", "none")
 DEFAULT_PROBES = 8  # 16: 2% more rows held when full, 10-20% more step (docs)
-# What `counts` totals: lookups of ids not held (they read zeros), ids given a
-# row, rows taken from another id, and ids that qualified but found no row
-# in their window (or were over `admissions_per_step`) in their step.
-COUNTS = ("default_lookups", "admitted", "evicted", "unplaced")
+# What `counts` totals: lookups of ids not held (they read zeros), lookups of
+# ids held, and the rows those read into their windows to find them (1 at
+# the home row), ids given a row, rows taken from another live id, and ids
+# that qualified but found no row in their window (or were over
+# `admissions_per_step`) in their step.
+COUNTS = ("default_lookups", "found", "probe_length", "admitted", "evicted", "unplaced")
+DEFAULT_TOMBSTONE_LOG = 65536
+
+
+class Delta(NamedTuple):
+    """What changed in an open vocabulary after a step (`DynamicEmbedding.delta`).
+
+    Args:
+        step: the layer's step it is up to date with (ask for the next delta
+            after it).
+        ids: int64 `[K]` ids holding a row whose values may have changed
+            (given the row, or looked up in training, after the step).
+        rows: int64 `[K]` their rows.
+        values: float32 `[K, D]` those rows of the table.
+        tombstones: int64 `[T]` ids that lost their row after the step
+            (taken by another id, or expired), none of which holds a row
+            now; an id may be repeated from an earlier delta.
+    """
+
+    step: int
+    ids: Any
+    rows: Any
+    values: Any
+    tombstones: Any
 
 
 class Proposals(NamedTuple):
@@ -73,6 +100,8 @@ class OpenVocabulary:
             admitted; above 1, they are counted in a second map
             (`sightings.SightingCounts`, 16 bytes an entry).
         count_capacity: that map's entries (None: `capacity`).
+        tombstone_log: how many replaced ids are kept for `delta` (None:
+            65,536, or `admissions_per_step` if more; 12 bytes each).
         eviction: `"lru"`: an id whose window has no free row takes the row
             seen longest ago (never one seen in this step); `"none"`: it
             waits for a free row.
@@ -89,7 +118,7 @@ class OpenVocabulary:
 
     def __init__(self, capacity, probes=None, admit_probability=1.0, eviction="lru", ttl=None,
                  seed=0, admissions_per_step=4096, placement_rounds=4, admit_after=1,
-                 count_capacity=None):
+                 count_capacity=None, tombstone_log=None):
         probes = min(DEFAULT_PROBES, int(capacity)) if probes is None else probes
         if not 1 <= int(probes) <= int(capacity):
             raise ValueError(f"OpenVocabulary: `probes` must be in [1, capacity={capacity}], "
@@ -108,6 +137,11 @@ class OpenVocabulary:
         if int(admit_after) < 1 or (count_capacity is not None and int(count_capacity) < 1):
             raise ValueError("OpenVocabulary: `admit_after` and `count_capacity` must be at "
                              f"least 1, got {admit_after} and {count_capacity}.")
+        tombstone_log = (max(DEFAULT_TOMBSTONE_LOG, int(admissions_per_step))
+                         if tombstone_log is None else int(tombstone_log))
+        if tombstone_log < int(admissions_per_step):
+            raise ValueError(f"OpenVocabulary: `tombstone_log` ({tombstone_log}) must hold at "
+                             f"least one step's admissions ({admissions_per_step}).")
         if int(capacity) >= 2**30:
             raise ValueError(f"OpenVocabulary: `capacity` must be below 2**30, got {capacity}.")
         self.capacity, self.probes = int(capacity), int(probes)
@@ -118,6 +152,7 @@ class OpenVocabulary:
         self.placement_rounds = int(placement_rounds)
         self.admit_after = int(admit_after)
         self.count_capacity = None if count_capacity is None else int(count_capacity)
+        self.tombstones = TombstoneLog(tombstone_log)
         self.sightings = None
         if self.admit_after > 1:
             self.sightings = SightingCounts(self.count_capacity or self.capacity, self.probes,
@@ -128,7 +163,7 @@ class OpenVocabulary:
                 "eviction": self.eviction, "ttl": self.ttl, "seed": self.seed,
                 "admissions_per_step": self.admissions_per_step,
                 "placement_rounds": self.placement_rounds, "admit_after": self.admit_after,
-                "count_capacity": self.count_capacity}
+                "count_capacity": self.count_capacity, "tombstone_log": self.tombstones.size}
 
     # -- variables ----------------------------------------------------------
 
@@ -146,12 +181,13 @@ class OpenVocabulary:
         self.keys = add_state("vocabulary_keys", (v, 2), "int32", 0, False)
         self.last_seen = add_state("vocabulary_last_seen", (v,), "int32", id_map.EMPTY, False)
         self.steps = add_state("vocabulary_steps", (), "int32", 0, False)
-        self.counts = add_state("vocabulary_counts", (len(COUNTS),), "int32", 0, False)
+        self.counts = add_state("vocabulary_counts", (len(COUNTS), 2), "int32", 0, False)
         # Written by the optimizer's step: trainable where only trainable
         # variables can be (JAX); never trained (its gradient is ignored).
         self.pending = add_state("vocabulary_pending",
                                  (self.admissions_per_step, pending.FIELDS), "float32", 0.0,
                                  not backend.STATEFUL_APPLY)
+        self.tombstones.build(add_state)
         if self.sightings is not None:
             self.sightings.build(add_state)
 
@@ -159,7 +195,8 @@ class OpenVocabulary:
     def variables(self):
         """The map's variables, in the order a checkpoint stores them."""
         counted = self.sightings.variables if self.sightings is not None else []
-        return [self.keys, self.last_seen, self.steps, self.counts, self.pending, *counted]
+        return [self.keys, self.last_seen, self.steps, self.counts, self.pending,
+                *self.tombstones.variables, *counted]
 
     # -- the lookup's side ----------------------------------------------------
 
@@ -182,7 +219,11 @@ class OpenVocabulary:
         if not training:
             return rows, None
         missing = ops.less(rows, 0)
+        found = ops.logical_not(missing)
         self._count("default_lookups", ops.sum(ops.cast(missing, "int32")))
+        self._count("found", ops.sum(ops.cast(found, "int32")))
+        length = ops.mod(rows - home, self.capacity) + 1
+        self._count("probe_length", ops.sum(ops.where(found, length, 0)))
         backend.scatter_where(self.last_seen, ops.maximum(rows, 0),
                               ops.full(ops.shape(rows), step, "int32"), ops.logical_not(missing))
         return rows, self._propose(high, low, missing, step)
@@ -233,6 +274,9 @@ class OpenVocabulary:
             ops.greater_equal(seen, 0))))
         # Only the ids not written yet (which also orders this write after the
         # read above: XLA then writes in place instead of copying the map).
+        # The ids these rows held (live or expired) lose them: tombstones.
+        self.tombstones.record(held[:, 0], held[:, 1], step,
+                               ops.logical_and(new, ops.greater_equal(seen, 0)))
         backend.scatter_where(self.keys, safe, ops.stack([high, low], axis=1), new)
         backend.scatter_where(self.last_seen, safe, ops.maximum(seen, step), valid)
         if self.sightings is not None:
@@ -241,8 +285,7 @@ class OpenVocabulary:
         self._count("evicted", ops.sum(ops.cast(ops.logical_and(new, evicted), "int32")))
 
     def _count(self, name, amount):
-        which = ops.equal(ops.arange(len(COUNTS), dtype="int32"), COUNTS.index(name))
-        self.counts.assign(self.counts.value + ops.where(which, ops.cast(amount, "int32"), 0))
+        counters.add(self.counts, COUNTS.index(name), amount)
 
     # -- the optimizer's side -------------------------------------------------
 
@@ -280,27 +323,57 @@ class OpenVocabulary:
     # -- reading it -----------------------------------------------------------
 
     def stats(self):
-        """`{name: int}`: the running totals (`COUNTS`) and `held`, rows holding an id."""
-        counts = [int(c) for c in ops.convert_to_numpy(self.counts.value)]
-        out = dict(zip(COUNTS, counts))
+        """`{name: int}`: the running totals (`COUNTS`), `held` (rows holding an id) and
+        `mean_probe_length` (rows read into its window per id found, 1 at its home row)."""
+        out = dict(zip(COUNTS, counters.read(self.counts)))
         out["held"] = out["admitted"] - out["evicted"]
+        out["mean_probe_length"] = out["probe_length"] / max(out["found"], 1)
         return out
 
-    def ids(self):
-        """`{id: row}` of every id holding a row, as the next lookup sees them.
-
-        NumPy, reading the whole map (for export); the last step's hand-over
-        is included.
-        """
+    def _as_next_lookup_sees_it(self):
+        """NumPy `(keys [V, 2], last_seen [V], step, hand-over)`: the map with the last
+        step's hand-over written (it reads the whole map: for export)."""
         held = np.array(ops.convert_to_numpy(self.keys.value))
         seen = np.array(ops.convert_to_numpy(self.last_seen.value))
         high, low, rows, step, _, valid = (np.asarray(ops.convert_to_numpy(x))
                                            for x in pending.decode(self.pending.value))
-        held[rows[valid], 0], held[rows[valid], 1] = high[valid], low[valid]
-        seen[rows[valid]] = np.maximum(seen[rows[valid]], step[valid])
+        given = (high[valid], low[valid], rows[valid], step[valid])
+        before = held[given[2]].copy(), seen[given[2]].copy()
+        held[given[2], 0], held[given[2], 1] = given[0], given[1]
+        seen[given[2]] = np.maximum(seen[given[2]], given[3])
         now = int(ops.convert_to_numpy(self.steps.value))
+        return held, seen, now, (given, before)
+
+    def _alive(self, seen, now):
         alive = seen >= 0
         if self.ttl is not None:
             alive &= seen > now - self.ttl
-        rows = np.nonzero(alive)[0]
+        return alive
+
+    def ids(self):
+        """`{id: row}` of every id holding a row, as the next lookup sees them (NumPy,
+        reading the whole map: for export)."""
+        held, seen, now, _ = self._as_next_lookup_sees_it()
+        rows = np.nonzero(self._alive(seen, now))[0]
         return dict(zip(keys.join_int64(held[rows]).tolist(), rows.tolist()))
+
+    def delta(self, since, table, name):
+        """What changed after layer step `since`: see `DynamicEmbedding.delta`."""
+        held, seen, now, ((high, low, rows, step), (old, old_seen)) = (
+            self._as_next_lookup_sees_it())
+        alive = self._alive(seen, now)
+        changed = np.nonzero(alive & (seen > since))[0]
+        gone = [self.tombstones.since(since, name)]
+        # Ids the hand-over replaces (not in the log until the next call writes it).
+        replacing = (old_seen >= 0) & ~((old[:, 0] == high) & (old[:, 1] == low)) & (step > since)
+        gone.append(old[replacing])
+        if self.ttl is not None:  # ids that expired after `since`, still in their rows
+            expired = (seen >= 0) & ~alive & (seen + self.ttl > since)
+            gone.append(held[expired])
+        gone = np.setdiff1d(keys.join_int64(np.concatenate(gone)),
+                            keys.join_int64(held[alive]))
+        values = np.asarray(ops.convert_to_numpy(ops.cast(
+            backend.gather_from_resource(table, ops.convert_to_tensor(changed.astype("int32"))),
+            "float32")))
+        return Delta(step=now, ids=keys.join_int64(held[changed]), rows=changed.astype(np.int64),
+                     values=values, tombstones=gone)
