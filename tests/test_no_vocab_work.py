@@ -113,14 +113,16 @@ def test_a_step_of_more_distinct_ids_than_one_pass_takes_is_in_place_too():
     assert_no_vocab_work(vocab_sized_work(model, data))
 
 
-def test_an_open_vocabulary_step_does_no_vocab_work():
-    """`DynamicEmbedding`: its map (`[V, 2]` ids, `[V]` last-seen steps) is read by
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_an_open_vocabulary_step_does_no_vocab_work(eviction):
+    """`DynamicEmbedding`: its map (`[V, 2]` ids, `[V]` last-seen steps, with LFU `[V]`
+    counts) is read by
     gathers and written in place like the table, ids admitted and evicted inside
     the step. (Its temporaries, sized by the batch's ids x `probes`, are kept well
     under the bound with a batch of 32.)"""
     ids = keras.Input((N_IDS,), dtype="int32")
     emb = sparseopt.layers.DynamicEmbedding(V, D, sparseopt.updaters.Adagrad(0.1), name="emb",
-                                            admissions_per_step=512)
+                                            admissions_per_step=512, eviction=eviction)
     model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(emb(ids))))
     model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam()), loss="mse")
     x = np.random.default_rng(0).integers(-2**31, 2**31 - 1, (32, N_IDS)).astype("int32")

@@ -45,8 +45,8 @@ def map_state(layer):
     rows = {int(r): int(keys[r]) for r in np.nonzero(seen >= 0)[0]}
     stats = layer.vocabulary_stats()
     counts = {name: stats[name] for name in sparseopt.vocabulary.COUNTS}
-    high, low, row, step, evicted, valid = (np.asarray(keras.ops.convert_to_numpy(x))
-                                            for x in pending_lib.decode(v.pending.value))
+    high, low, row, step, evicted, valid, _ = (np.asarray(keras.ops.convert_to_numpy(x))
+                                               for x in pending_lib.decode(v.pending.value))
     ids = sparseopt.vocabulary.join_int64(np.stack([high, low], axis=-1))
     handed = [(int(i), int(r), int(s), bool(e))
               for i, r, s, e, ok in zip(ids, row, step, evicted, valid) if ok]
@@ -66,13 +66,13 @@ settings_ = settings(max_examples=60 if THOROUGH else 6, deadline=None,
 
 @settings_
 @given(capacity=st.integers(4, 12), probes=st.integers(1, 4),
-       eviction=st.sampled_from(["lru", "none"]), ttl=st.sampled_from([None, 1, 3]),
+       eviction=st.sampled_from(["lru", "lfu", "none"]), ttl=st.sampled_from([None, 1, 3]),
        admissions=st.integers(1, 6), rounds=st.integers(1, 3), seed=st.integers(0, 5),
        admit_after=st.sampled_from([1, 2, 3]), count_capacity=st.sampled_from([None, 3, 8]),
-       data=st.data())
+       half_life=st.integers(1, 3), data=st.data())
 def test_the_map_follows_a_plain_python_reference_step_by_step(
         capacity, probes, eviction, ttl, admissions, rounds, seed, admit_after, count_capacity,
-        data):
+        half_life, data):
     """Lookups, LRU / TTL, placement in rounds, the hand-over, the totals and the delta
     since a random step, after every step; and each id's row holds what SGD on that id's own gradients
     gives (zero-initialized rows: -lr x the sum of its gradients since it was
@@ -81,10 +81,11 @@ def test_the_map_follows_a_plain_python_reference_step_by_step(
     probes = min(probes, capacity)
     options = dict(probes=probes, eviction=eviction, ttl=ttl, seed=seed,
                    admissions_per_step=admissions, placement_rounds=rounds,
-                   admit_after=admit_after, count_capacity=count_capacity)
+                   admit_after=admit_after, count_capacity=count_capacity,
+                   lfu_half_life=half_life)
     model, layer = dynamic_model(capacity, **options)
     ref = ReferenceVocabulary(capacity, probes, eviction, ttl, seed, admissions, rounds,
-                              admit_after, count_capacity)
+                              admit_after, count_capacity, half_life)
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
     trained = {}  # id -> its row's value by the reference (SGD, lr 0.5)
     for _ in range(6):
@@ -97,6 +98,9 @@ def test_the_map_follows_a_plain_python_reference_step_by_step(
         np.testing.assert_array_equal(got[1], want[1])
         assert got[2] == want[2]
         assert got[3] == want[3]
+        if eviction == "lfu":
+            np.testing.assert_array_equal(to_np(layer.vocabulary.frequency.counts),
+                                          ref.map.freq)
         since = int(rng.integers(0, ref.step + 1))
         delta, (changed, gone) = layer.delta(since), ref.delta(since)
         assert delta.step == ref.step
@@ -320,6 +324,41 @@ def test_checkpoints_hold_the_map_and_resume_exactly(tmp_path):
     fresh, _ = dynamic_model(6, sparseopt.updaters.Adagrad(0.1), probes=3, init="uniform")
     fresh.load_weights(weights)
     np.testing.assert_array_equal(to_np(fresh(xs[0])), to_np(model(xs[0])))
+
+
+def lfu_run(batches, seed=0, half_life=100, eviction="lfu"):
+    """A 2-row table whose window is the whole table; `batches` of id pairs x 4 examples."""
+    keras.backend.clear_session(free_memory=False)
+    model, layer = dynamic_model(2, probes=2, eviction=eviction, n_ids=2, seed=seed,
+                                 admissions_per_step=1, lfu_half_life=half_life)
+    for batch in batches:
+        x = np.array(batch * (4 // len(batch)), "int32")
+        model.train_on_batch(x, np.ones((4, 2, WIDTH), "float32"))
+    return layer
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_lfu_breaks_a_tie_by_the_row_seen_longest_ago(seed):
+    """1 seen 8 times in step 1, 2 seen 8 times in step 2, then 3 needs a row: 1's goes.
+    (Seeds move the ids' home rows, so that window order cannot stand in for the rule.)"""
+    assert sorted(lfu_run([[[1, 1]], [[2, 2]], [[3, 3]]], seed).held_ids()) == [2, 3]
+
+
+def test_lfu_evicts_the_least_frequent_counts_every_occurrence_and_halves():
+    # 2 seen 4 times (with 5): fewer than 1's 8, though 1 is older: LFU keeps 1, LRU 2.
+    lfu = lfu_run([[[1, 1]], [[2, 5]], [[3, 3]], [[1, 1]]])
+    assert sorted(lfu.held_ids()) == [1, 3]
+    assert sorted(lfu_run([[[1, 1]], [[2, 5]], [[3, 3]]],
+                          eviction="lru").held_ids()) == [2, 3]
+    # A reused row starts with its new id's own sightings (8), not the old id's (4);
+    # 1 found 8 more times in the last step: 16.
+    counts, held = to_np(lfu.vocabulary.frequency.counts), lfu.held_ids()
+    assert counts[held[3]] == 8 and counts[held[1]] == 16
+    # Counts halve at every multiple of the half life: 1's 8 (step 1) is 4 at step 3,
+    # below 2's 6 (step 2; 3 occurrences a pair x 2 pairs), so 1 goes.
+    batches = [[[1, 1]], [[2, 2], [2, 7]], [[3, 3]]]
+    assert sorted(lfu_run(batches, half_life=2).held_ids()) == [2, 3]
+    assert sorted(lfu_run(batches, half_life=100).held_ids()) == [1, 3]
 
 
 def test_a_delta_past_the_tombstone_log_is_refused_and_a_recent_one_is_whole():

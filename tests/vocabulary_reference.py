@@ -27,10 +27,18 @@ def home(key, seed, capacity):
 class _Map:
     """Open addressing: row -> id, row -> last seen step (-1: no id)."""
 
-    def __init__(self, capacity, probes, seed, ttl=None):
+    def __init__(self, capacity, probes, seed, ttl=None, half_life=None):
         self.capacity, self.probes, self.seed, self.ttl = capacity, probes, seed, ttl
         self.key = {}  # row -> id (kept while the row is free again: only `seen` says)
         self.seen = [-1] * capacity
+        self.half_life = half_life
+        self.freq = [0] * capacity  # LFU: lookups, as of the row's last seen step
+
+    def frequency(self, row, step):
+        """The row's LFU count at `step`: halved at every multiple of `half_life` since
+        it was last seen."""
+        halvings = step // self.half_life - max(self.seen[row], 0) // self.half_life
+        return self.freq[row] >> min(halvings, 31)
 
     def window(self, key):
         first = home(key, self.seed, self.capacity)
@@ -53,8 +61,12 @@ class _Map:
             found = []
             for row in self.window(key):
                 live = self.alive(row, step)
-                usable = not live or (eviction == "lru" and self.seen[row] < step)
-                found.append((row, self.seen[row] if live else -1, usable, live))
+                usable = not live or (eviction != "none" and self.seen[row] < step)
+                if eviction == "lfu":  # the least frequent; ties: the one seen longest ago
+                    score = (self.frequency(row, step), self.seen[row]) if live else (-1, -1)
+                else:
+                    score = (self.seen[row],) if live else (-1,)
+                found.append((row, score, usable, live))
             options.append(found)
         placed = [None] * len(candidates)
         for _ in range(rounds):
@@ -77,8 +89,8 @@ class _Map:
 class ReferenceVocabulary:
     def __init__(self, capacity, probes, eviction="lru", ttl=None, seed=0,
                  admissions_per_step=4096, placement_rounds=4, admit_after=1,
-                 count_capacity=None):
-        self.map = _Map(capacity, probes, seed, ttl)
+                 count_capacity=None, half_life=1000):
+        self.map = _Map(capacity, probes, seed, ttl, half_life)
         self.capacity, self.eviction, self.ttl = capacity, eviction, ttl
         self.admissions, self.rounds, self.admit_after = (admissions_per_step, placement_rounds,
                                                           admit_after)
@@ -87,6 +99,7 @@ class ReferenceVocabulary:
         self.count = {}  # sightings map row -> count
         self.step = 0
         self.pending = []  # (id, row, step, evicted) of the last applied step
+        self.sighted = {}  # (id, row) of `pending` -> the id's sightings in its step
         self.counts = {"default_lookups": 0, "found": 0, "probe_length": 0, "admitted": 0,
                        "evicted": 0, "unplaced": 0}
         self.lost = []  # (id, step): an id lost its row (taken by another, or expired)
@@ -128,6 +141,8 @@ class ReferenceVocabulary:
             if self.map.seen[row] >= 0 and self.map.key.get(row) != key:
                 self.lost.append((self.map.key[row], step))
             new = not (self.map.key.get(row) == key and self.map.seen[row] >= 0)
+            if self.map.seen[row] < step:  # first written: its own sightings
+                self.map.freq[row] = min(self.sighted[(key, row)], 2**30)
             self.map.key[row] = key
             self.map.seen[row] = max(self.map.seen[row], step)
             if new:
@@ -169,6 +184,12 @@ class ReferenceVocabulary:
                           if self.map.seen[r] >= 0 and self.map.seen[r] + self.ttl == s]
         rows = [self.map.find(k, s) for k in keys]
         self.counts["default_lookups"] += sum(r < 0 for r in rows)
+        looked = {}
+        for r in rows:
+            if r >= 0:
+                looked[r] = looked.get(r, 0) + 1
+        for r, n in looked.items():  # LFU counts, before the rows are marked seen
+            self.map.freq[r] = min(self.map.frequency(r, s) + n, 2**30)
         for k, r in zip(keys, rows):
             if r >= 0:
                 self.counts["found"] += 1
@@ -192,4 +213,5 @@ class ReferenceVocabulary:
         self.counts["unplaced"] += len(wanted) - len(chosen)
         self.pending = ([(trying[c], placed[c][0], s, placed[c][1]) for c in chosen]
                         if applied else [])
+        self.sighted = {(k, row): occurrences[k] for k, row, _, _ in self.pending}
         return rows

@@ -41,7 +41,8 @@ class DynamicEmbedding(SparseEmbedding):
             64-bit ids on JAX. Otherwise ids are int32 (or int64 on
             TensorFlow) of any value.
         probes, admit_probability, eviction, ttl, seed, admissions_per_step,
-            placement_rounds, admit_after, count_capacity, tombstone_log: as for
+            placement_rounds, admit_after, count_capacity, tombstone_log,
+            lfu_half_life: as for
             `sparseopt.vocabulary.OpenVocabulary`.
         **kwargs: base `Layer` arguments.
     """
@@ -50,7 +51,7 @@ class DynamicEmbedding(SparseEmbedding):
                  combiner=None, storage=None, key_halves=False, probes=None,
                  admit_probability=1.0, eviction="lru", ttl=None, seed=0,
                  admissions_per_step=4096, placement_rounds=4, admit_after=1,
-                 count_capacity=None, tombstone_log=None, **kwargs):
+                 count_capacity=None, tombstone_log=None, lfu_half_life=1000, **kwargs):
         kwargs.pop("input_dim", None)
         super().__init__(capacity, output_dim, updater, embeddings_initializer, combiner,
                          storage, **kwargs)
@@ -60,7 +61,8 @@ class DynamicEmbedding(SparseEmbedding):
             capacity, probes=probes, admit_probability=admit_probability, eviction=eviction,
             ttl=ttl, seed=seed, admissions_per_step=admissions_per_step,
             placement_rounds=placement_rounds, admit_after=admit_after,
-            count_capacity=count_capacity, tombstone_log=tombstone_log)
+            count_capacity=count_capacity, tombstone_log=tombstone_log,
+            lfu_half_life=lfu_half_life)
 
     @property
     def capacity(self):

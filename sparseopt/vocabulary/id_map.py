@@ -73,12 +73,13 @@ def find(keys, last_seen, high, low, home, probes, step, ttl=None):
     return ops.where(ops.any(match, axis=1), row, -1)
 
 
-def place(last_seen, home, wanted, probes, step, evict, ttl, rounds):
+def place(last_seen, home, wanted, probes, step, evict, ttl, rounds, frequency=None):
     """Rows for the keys `wanted`: in each key's window, a free row, else one to evict.
 
-    A row is free when no key holds it (or its key expired, `ttl`); where
-    `evict == "lru"` and a window has no free row, its least recently seen
-    row is taken, unless it was seen in this step. Keys that want the same
+    A row is free when no key holds it (or its key expired, `ttl`); where a
+    window has no free row, `evict == "lru"` takes its least recently seen
+    row and `evict == "lfu"` its least frequently seen one (`frequency`;
+    ties: the one seen longest ago), never one seen in this step. Keys that want the same
     row go in order (the first wins; the others try their next best row,
     leaving out every row taken so far, in the next round). After `rounds`
     rounds, keys still without a row get none this step.
@@ -96,8 +97,9 @@ def place(last_seen, home, wanted, probes, step, evict, ttl, rounds):
         home: int32 `[C]` home rows of the candidate keys, in order.
         wanted: bool `[C]`, which candidates to place.
         probes, step, ttl: as for `find`.
-        evict: `"lru"` or `"none"`.
+        evict: `"lru"`, `"lfu"` or `"none"`.
         rounds: placement rounds.
+        frequency: the rows' `frequency.Frequencies` (for `"lfu"`).
 
     Returns:
         `(rows, evicted)`: int32 `[C]` rows (-1: not placed) and bool `[C]`,
@@ -108,10 +110,17 @@ def place(last_seen, home, wanted, probes, step, evict, ttl, rounds):
     flat = ops.reshape(window(home, probes, capacity), (-1,))
     seen = ops.reshape(backend.gather_from_resource(last_seen, flat), (-1, probes))
     alive = live(seen, step, ttl)
-    # Lower is better: a free row (-1), else the oldest (lru); unusable: _FAR.
-    score = ops.where(alive, seen, -1)
+    # Lower is better: a free row (-1), else the oldest (lru) or the least
+    # frequent (lfu); unusable: _FAR.
+    if evict == "lfu":
+        counts = backend.gather_from_resource(frequency.counts, flat)
+        score = ops.where(alive, frequency.effective(ops.reshape(counts, (-1, probes)), seen,
+                                                     step), -1)
+        older = ops.where(alive, seen, -1)  # ties: the row seen longest ago
+    else:
+        score = ops.where(alive, seen, -1)
     usable = ops.logical_not(alive)
-    if evict == "lru":
+    if evict != "none":
         usable = ops.logical_or(usable, ops.less(seen, step))
     score = ops.where(usable, score, _FAR)
     claim = _CLAIMED + ops.arange(ops.shape(home)[0], dtype="int32")
@@ -122,9 +131,13 @@ def place(last_seen, home, wanted, probes, step, evict, ttl, rounds):
         if round_:  # rows won in earlier rounds hold claims (nothing is taken before)
             now = ops.reshape(backend.gather_from_resource(last_seen, flat), (-1, probes))
             score = ops.where(ops.less(now, EMPTY), _FAR, score)
-        pick = ops.cast(ops.argmin(score, axis=1), "int32")
-        at = ops.equal(offsets, ops.expand_dims(pick, 1))  # one-hot (cheaper than a gather)
         best = ops.min(score, axis=1)
+        if evict == "lfu":
+            tied = ops.equal(score, ops.expand_dims(best, 1))
+            pick = ops.cast(ops.argmin(ops.where(tied, older, _FAR), axis=1), "int32")
+        else:
+            pick = ops.cast(ops.argmin(score, axis=1), "int32")
+        at = ops.equal(offsets, ops.expand_dims(pick, 1))  # one-hot (cheaper than a gather)
         row = _row(home, pick, capacity)
         trying = ops.logical_and(pending, ops.less(best, _FAR))
         backend.scatter_min(last_seen, row, claim, trying)

@@ -28,10 +28,11 @@ from keras import ops
 
 from sparseopt import backend, precision
 from sparseopt.vocabulary import counters, id_map, keys, new_rows, pending
+from sparseopt.vocabulary.frequency import Frequencies
 from sparseopt.vocabulary.sightings import SightingCounts
 from sparseopt.vocabulary.tombstones import TombstoneLog
 
-EVICTIONS = ("lru", "none")
+EVICTIONS = ("lru", "lfu", "none")
 DEFAULT_PROBES = 8  # 16: 2% more rows held when full, 10-20% more step (docs)
 # What `counts` totals: lookups of ids not held (they read zeros), lookups of
 # ids held, and the rows those read into their windows to find them (1 at
@@ -74,6 +75,7 @@ class Proposals(NamedTuple):
         rows: int32 `[A]` the row chosen for each.
         evicted: bool `[A]`: whether the row held another live id.
         valid: bool `[A]`: which entries are choices.
+        sightings: int32 `[A]`: each id's occurrences in the step.
         step: int32 scalar, the layer's step they were made in.
     """
 
@@ -83,6 +85,7 @@ class Proposals(NamedTuple):
     evicted: Any
     valid: Any
     step: Any
+    sightings: Any
 
 
 class OpenVocabulary:
@@ -103,8 +106,12 @@ class OpenVocabulary:
         tombstone_log: how many replaced ids are kept for `delta` (None:
             65,536, or `admissions_per_step` if more; 12 bytes each).
         eviction: `"lru"`: an id whose window has no free row takes the row
-            seen longest ago (never one seen in this step); `"none"`: it
-            waits for a free row.
+            seen longest ago (never one seen in this step); `"lfu"`: the row
+            whose id was looked up least often (`frequency.Frequencies`:
+            every occurrence counts, all counts halve every
+            `lfu_half_life` steps; ties: the row seen longest ago);
+            `"none"`: it waits for a free row.
+        lfu_half_life: steps between halvings of the LFU counts.
         ttl: steps after which an id not seen expires (its lookups miss and
             its row is free), or None.
         seed: for the hash that places ids and the admission coin.
@@ -118,7 +125,7 @@ class OpenVocabulary:
 
     def __init__(self, capacity, probes=None, admit_probability=1.0, eviction="lru", ttl=None,
                  seed=0, admissions_per_step=4096, placement_rounds=4, admit_after=1,
-                 count_capacity=None, tombstone_log=None):
+                 count_capacity=None, tombstone_log=None, lfu_half_life=1000):
         probes = min(DEFAULT_PROBES, int(capacity)) if probes is None else probes
         if not 1 <= int(probes) <= int(capacity):
             raise ValueError(f"OpenVocabulary: `probes` must be in [1, capacity={capacity}], "
@@ -142,6 +149,9 @@ class OpenVocabulary:
         if tombstone_log < int(admissions_per_step):
             raise ValueError(f"OpenVocabulary: `tombstone_log` ({tombstone_log}) must hold at "
                              f"least one step's admissions ({admissions_per_step}).")
+        if int(lfu_half_life) < 1:
+            raise ValueError(f"OpenVocabulary: `lfu_half_life` must be at least 1, got "
+                             f"{lfu_half_life}.")
         if int(capacity) >= 2**30:
             raise ValueError(f"OpenVocabulary: `capacity` must be below 2**30, got {capacity}.")
         self.capacity, self.probes = int(capacity), int(probes)
@@ -153,6 +163,7 @@ class OpenVocabulary:
         self.admit_after = int(admit_after)
         self.count_capacity = None if count_capacity is None else int(count_capacity)
         self.tombstones = TombstoneLog(tombstone_log)
+        self.frequency = Frequencies(lfu_half_life) if eviction == "lfu" else None
         self.sightings = None
         if self.admit_after > 1:
             self.sightings = SightingCounts(self.count_capacity or self.capacity, self.probes,
@@ -163,7 +174,8 @@ class OpenVocabulary:
                 "eviction": self.eviction, "ttl": self.ttl, "seed": self.seed,
                 "admissions_per_step": self.admissions_per_step,
                 "placement_rounds": self.placement_rounds, "admit_after": self.admit_after,
-                "count_capacity": self.count_capacity, "tombstone_log": self.tombstones.size}
+                "count_capacity": self.count_capacity, "tombstone_log": self.tombstones.size,
+                "lfu_half_life": self.frequency.half_life if self.frequency else 1000}
 
     # -- variables ----------------------------------------------------------
 
@@ -188,6 +200,8 @@ class OpenVocabulary:
                                  (self.admissions_per_step, pending.FIELDS), "float32", 0.0,
                                  not backend.STATEFUL_APPLY)
         self.tombstones.build(add_state)
+        if self.frequency is not None:
+            self.frequency.build(v, add_state)
         if self.sightings is not None:
             self.sightings.build(add_state)
 
@@ -195,8 +209,9 @@ class OpenVocabulary:
     def variables(self):
         """The map's variables, in the order a checkpoint stores them."""
         counted = self.sightings.variables if self.sightings is not None else []
+        frequency = [self.frequency.counts] if self.frequency is not None else []
         return [self.keys, self.last_seen, self.steps, self.counts, self.pending,
-                *self.tombstones.variables, *counted]
+                *self.tombstones.variables, *frequency, *counted]
 
     # -- the lookup's side ----------------------------------------------------
 
@@ -224,8 +239,13 @@ class OpenVocabulary:
         self._count("found", ops.sum(ops.cast(found, "int32")))
         length = ops.mod(rows - home, self.capacity) + 1
         self._count("probe_length", ops.sum(ops.where(found, length, 0)))
-        backend.scatter_where(self.last_seen, ops.maximum(rows, 0),
-                              ops.full(ops.shape(rows), step, "int32"), ops.logical_not(missing))
+        now = ops.full(ops.shape(rows), step, "int32")
+        if self.frequency is not None:  # before `last_seen` moves on: it dates the counts
+            before = self.frequency.add_lookups(self.last_seen, rows, found, step)
+            # (`step` again, but read from what the counts read: XLA then orders
+            # the write after that read and writes in place instead of copying.)
+            now = ops.maximum(now, before)
+        backend.scatter_where(self.last_seen, ops.maximum(rows, 0), now, found)
         return rows, self._propose(high, low, missing, step)
 
     def _propose(self, high, low, missing, step):
@@ -245,12 +265,13 @@ class OpenVocabulary:
         high, low = ops.take(high, at), ops.take(low, at)
         home = keys.home_rows(high, low, self.seed, self.capacity)
         rows, evicted = id_map.place(self.last_seen, home, valid, self.probes, step,
-                                     self.eviction, self.ttl, self.placement_rounds)
+                                     self.eviction, self.ttl, self.placement_rounds,
+                                     self.frequency)
         placed = ops.greater_equal(rows, 0)
         self._count("unplaced", ops.sum(ops.cast(wanted, "int32"))
                     - ops.sum(ops.cast(placed, "int32")))
         return Proposals(high=high, low=low, rows=rows, evicted=evicted, valid=placed,
-                         step=step)
+                         step=step, sightings=ops.take(occurrences, at))
 
     def _admitted(self, high, low, occurrences, step):
         """Whether each id's sightings in this step win it a row (the admission coin)."""
@@ -265,18 +286,20 @@ class OpenVocabulary:
 
     def _write_pending(self):
         """Writes the last applied step's choices into the map (again is harmless)."""
-        high, low, rows, step, evicted, valid = pending.decode(self.pending.value)
+        high, low, rows, step, evicted, valid, sightings = pending.decode(self.pending.value)
         safe = ops.where(valid, rows, 0)
         held = backend.gather_from_resource(self.keys, safe)
         seen = backend.gather_from_resource(self.last_seen, safe)
         new = ops.logical_and(valid, ops.logical_not(ops.logical_and(
             ops.logical_and(ops.equal(held[:, 0], high), ops.equal(held[:, 1], low)),
             ops.greater_equal(seen, 0))))
-        # Only the ids not written yet (which also orders this write after the
-        # read above: XLA then writes in place instead of copying the map).
         # The ids these rows held (live or expired) lose them: tombstones.
         self.tombstones.record(held[:, 0], held[:, 1], step,
                                ops.logical_and(new, ops.greater_equal(seen, 0)))
+        if self.frequency is not None:  # first written (not again): its own count
+            self.frequency.start(safe, sightings, ops.logical_and(valid, ops.less(seen, step)))
+        # Only the ids not written yet (which also orders this write after the
+        # read above: XLA then writes in place instead of copying the map).
         backend.scatter_where(self.keys, safe, ops.stack([high, low], axis=1), new)
         backend.scatter_where(self.last_seen, safe, ops.maximum(seen, step), valid)
         if self.sightings is not None:
@@ -318,7 +341,8 @@ class OpenVocabulary:
             shape = (ops.shape(rows)[0],) + tuple(var.shape[1:])
             backend.scatter_where(var, rows, ops.broadcast_to(start, shape), valid)
         self.pending.assign(pending.encode(proposals.high, proposals.low, rows,
-                                           proposals.step, proposals.evicted, valid))
+                                           proposals.step, proposals.evicted, valid,
+                                           proposals.sightings))
 
     # -- reading it -----------------------------------------------------------
 
@@ -335,8 +359,8 @@ class OpenVocabulary:
         step's hand-over written (it reads the whole map: for export)."""
         held = np.array(ops.convert_to_numpy(self.keys.value))
         seen = np.array(ops.convert_to_numpy(self.last_seen.value))
-        high, low, rows, step, _, valid = (np.asarray(ops.convert_to_numpy(x))
-                                           for x in pending.decode(self.pending.value))
+        high, low, rows, step, _, valid, _ = (np.asarray(ops.convert_to_numpy(x))
+                                              for x in pending.decode(self.pending.value))
         given = (high[valid], low[valid], rows[valid], step[valid])
         before = held[given[2]].copy(), seen[given[2]].copy()
         held[given[2], 0], held[given[2], 1] = given[0], given[1]

@@ -7,10 +7,24 @@ layer: each integer is stored as two 16-bit halves, which float32 holds
 exactly.
 """
 
+from typing import Any, NamedTuple
+
 import numpy as np
 from keras import ops
 
-FIELDS = 10  # high, low, row, step: two halves each; evicted; valid
+FIELDS = 12  # high, low, row, step, sightings: two halves each; evicted; valid
+
+
+class Entries(NamedTuple):
+    """The hand-over's entries, int32 `[A]` each (bool `evicted`, `valid`)."""
+
+    high: Any
+    low: Any
+    rows: Any
+    step: Any
+    evicted: Any
+    valid: Any
+    sightings: Any
 
 
 def _split(x):
@@ -26,17 +40,19 @@ def _join(upper, lower):
     return ops.cast(joined, "int32")
 
 
-def encode(high, low, rows, step, evicted, valid):
+def encode(high, low, rows, step, evicted, valid, sightings):
     """float32 `[A, FIELDS]` of `A` entries (int32 `[A]` halves, rows, a scalar step; bool
-    `[A]` evicted and valid)."""
+    `[A]` evicted and valid; int32 `[A]` the ids' sightings in their step)."""
     step = ops.broadcast_to(ops.cast(step, "int32"), ops.shape(rows))
     columns = (_split(high) + _split(low) + _split(rows) + _split(step)
-               + [ops.cast(evicted, "float32"), ops.cast(valid, "float32")])
+               + [ops.cast(evicted, "float32"), ops.cast(valid, "float32")]
+               + _split(sightings))
     return ops.stack(columns, axis=1)
 
 
 def decode(values):
-    """`(high, low, rows, step, evicted, valid)` of an `encode`d array."""
+    """The `Entries` of an `encode`d array."""
     c = [values[:, i] for i in range(FIELDS)]
-    return (_join(c[0], c[1]), _join(c[2], c[3]), _join(c[4], c[5]), _join(c[6], c[7]),
-            ops.greater(c[8], 0.5), ops.greater(c[9], 0.5))
+    return Entries(_join(c[0], c[1]), _join(c[2], c[3]), _join(c[4], c[5]),
+                   _join(c[6], c[7]), ops.greater(c[8], 0.5), ops.greater(c[9], 0.5),
+                   _join(c[10], c[11]))
