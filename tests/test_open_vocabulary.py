@@ -69,25 +69,28 @@ settings_ = settings(max_examples=60 if THOROUGH else 6, deadline=None,
        eviction=st.sampled_from(["lru", "lfu", "none"]), ttl=st.sampled_from([None, 1, 3]),
        admissions=st.integers(1, 6), rounds=st.integers(1, 3), seed=st.integers(0, 5),
        admit_after=st.sampled_from([1, 2, 3]), count_capacity=st.sampled_from([None, 3, 8]),
-       half_life=st.integers(1, 3), data=st.data())
+       half_life=st.integers(1, 3), default_row=st.sampled_from(["zeros", "trained"]),
+       data=st.data())
 def test_the_map_follows_a_plain_python_reference_step_by_step(
         capacity, probes, eviction, ttl, admissions, rounds, seed, admit_after, count_capacity,
-        half_life, data):
-    """Lookups, LRU / TTL, placement in rounds, the hand-over, the totals and the delta
-    since a random step, after every step; and each id's row holds what SGD on that id's own gradients
-    gives (zero-initialized rows: -lr x the sum of its gradients since it was
-    given the row)."""
+        half_life, default_row, data):
+    """Lookups, LRU / LFU / TTL, placement in rounds, the hand-over, the totals and the
+    delta since a random step, after every step; and each id's row holds what SGD on
+    that id's own gradients gives (zero-initialized rows: -lr x the sum of its gradients
+    since it was given the row), the trained default row what SGD on the gradients of
+    every lookup of an id not held gives."""
     keras.backend.clear_session(free_memory=False)
     probes = min(probes, capacity)
     options = dict(probes=probes, eviction=eviction, ttl=ttl, seed=seed,
                    admissions_per_step=admissions, placement_rounds=rounds,
                    admit_after=admit_after, count_capacity=count_capacity,
-                   lfu_half_life=half_life)
+                   lfu_half_life=half_life, default_row=default_row)
     model, layer = dynamic_model(capacity, **options)
     ref = ReferenceVocabulary(capacity, probes, eviction, ttl, seed, admissions, rounds,
                               admit_after, count_capacity, half_life)
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
     trained = {}  # id -> its row's value by the reference (SGD, lr 0.5)
+    default = np.zeros(WIDTH)  # the trained default row, by the reference
     for _ in range(6):
         x = rng.choice(POOL, size=(BATCH, N_IDS)).astype("int32")
         y = rng.normal(size=(BATCH, N_IDS, WIDTH)).astype("float32")
@@ -107,11 +110,13 @@ def test_the_map_follows_a_plain_python_reference_step_by_step(
         assert dict(zip(delta.ids.tolist(), delta.rows.tolist())) == changed
         assert sorted(delta.tombstones.tolist()) == sorted(gone)
         np.testing.assert_array_equal(delta.values, to_np(layer.embeddings)[delta.rows])
-        # SGD on the rows the step read (ids not held: nothing).
+        # SGD on the rows the step read (ids not held: nothing, or the default row).
         grads = {}
         for key, row, g in zip(x.reshape(-1).tolist(), rows, y.reshape(-1, WIDTH) / BATCH):
             if row >= 0:
                 grads[key] = grads.get(key, 0.0) + g.astype(np.float64)
+            elif default_row == "trained":
+                default = default - 0.5 * g.astype(np.float64)
         for key, g in grads.items():
             trained[key] = trained.get(key, np.zeros(WIDTH)) - 0.5 * g
         for key, _, _, _ in ref.pending:  # given a row: starts at zero (the initializer)
@@ -122,6 +127,10 @@ def test_the_map_follows_a_plain_python_reference_step_by_step(
     assert len(set(held.values())) == len(held)  # zero collision
     for key, row in held.items():
         np.testing.assert_allclose(table[row], trained[key], rtol=1e-5, atol=1e-6)
+    assert table.shape[0] == capacity + (default_row == "trained")
+    if default_row == "trained":
+        np.testing.assert_allclose(table[capacity], default, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(layer.delta().default, default, rtol=1e-5, atol=1e-6)
 
 
 CASES = registered_cases()
@@ -205,6 +214,26 @@ def test_pooled_bags_read_the_rows_of_the_ids_held(combiner):
     want = [first.sum(0), table[held[5]]] if combiner == "sum" else [first.mean(0),
                                                                       table[held[5]]]
     np.testing.assert_allclose(out, np.array(want), rtol=1e-6)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+def test_a_trained_default_row_is_read_by_every_id_not_held_and_counts_in_a_mean(combiner):
+    model, layer = dynamic_model(16, combiner=combiner, init="uniform", default_row="trained")
+    x = np.array([[5, 6, 7], [5, 8, 9]], "int32")
+    model.train_on_batch(x[:1], np.zeros((1, WIDTH), "float32"))  # admits 5, 6, 7
+    out = to_np(model(x))
+    table, held = to_np(layer.embeddings), layer.held_ids()
+    assert table.shape == (17, WIDTH) and sorted(held) == [5, 6, 7]
+    assert 16 not in held.values()
+    second = table[[held[5], 16, 16]]  # 8 and 9 read the default row
+    want = np.array([table[[held[5], held[6], held[7]]].sum(0), second.sum(0)])
+    np.testing.assert_allclose(out, want if combiner == "sum" else want / 3, rtol=1e-6)
+    config = layer.get_config()
+    assert config["capacity"] == 16 and config["default_row"] == "trained"
+    again = sparseopt.layers.DynamicEmbedding.from_config(config)
+    assert again.capacity == 16 and again.default_row == "trained"
+    with pytest.raises(ValueError, match="`default_row` must be one of"):
+        sparseopt.layers.DynamicEmbedding(8, 2, sparseopt.updaters.SGD(0.1), default_row="mean")
 
 
 def test_loss_scaling_and_table_health_see_the_vocabulary():

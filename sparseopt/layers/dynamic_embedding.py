@@ -10,6 +10,8 @@ from sparseopt.vocabulary import keys as keys_lib
 from sparseopt.vocabulary import new_rows
 from sparseopt.vocabulary.open_vocabulary import OpenVocabulary
 
+DEFAULT_ROWS = ("zeros", "trained")
+
 
 @keras.saving.register_keras_serializable(package="sparseopt")
 class DynamicEmbedding(SparseEmbedding):
@@ -19,7 +21,8 @@ class DynamicEmbedding(SparseEmbedding):
     row of its own, found
     through a map kept in the layer's variables (open addressing in the
     table's own rows, `probes` rows per id); ids not held read zeros and
-    their gradients go nowhere. When an id's window is full, the row seen
+    their gradients go nowhere, or (`default_row="trained"`) all read one
+    shared row, trained by all their gradients. When an id's window is full, the row seen
     longest ago is given to it (`eviction="lru"`), and that row and its
     per-row optimizer state start afresh. The map is updated inside the
     compiled step, after the optimizer's step: a skipped step admits and
@@ -34,8 +37,14 @@ class DynamicEmbedding(SparseEmbedding):
         embeddings_initializer: how rows start, at build and when given to a
             new id: `RandomUniform` (`"uniform"`), `RandomNormal`, `Zeros`,
             `Ones` or `Constant`.
-        combiner: None, `"sum"` or `"mean"`, as for `SparseEmbedding`.
+        combiner: None, `"sum"` or `"mean"`, as for `SparseEmbedding` (ids
+            reading zeros count in no mean; ids reading the trained default
+            row count like any).
         storage: as for `SparseEmbedding`.
+        default_row: what ids not held read: `"zeros"` (their gradients go
+            nowhere) or `"trained"` (one more row of the table, after the
+            `capacity` rows ids are given, shared by every id not held and
+            trained by all their gradients with the table's updater).
         key_halves: ids come as int32 `[..., 2]` `(high, low)` halves of
             64-bit ids (`sparseopt.vocabulary.keys.split_int64`): how to feed
             64-bit ids on JAX. Otherwise ids are int32 (or int64 on
@@ -48,12 +57,19 @@ class DynamicEmbedding(SparseEmbedding):
     """
 
     def __init__(self, capacity, output_dim, updater, embeddings_initializer="uniform",
-                 combiner=None, storage=None, key_halves=False, probes=None,
+                 combiner=None, storage=None, key_halves=False, probes=None, default_row="zeros",
                  admit_probability=1.0, eviction="lru", ttl=None, seed=0,
                  admissions_per_step=4096, placement_rounds=4, admit_after=1,
                  count_capacity=None, tombstone_log=None, lfu_half_life=1000, **kwargs):
         kwargs.pop("input_dim", None)
-        super().__init__(capacity, output_dim, updater, embeddings_initializer, combiner,
+        if default_row not in DEFAULT_ROWS:
+            raise ValueError(f"DynamicEmbedding '{kwargs.get('name', '')}': `default_row` must "
+                             f"be one of {DEFAULT_ROWS}, got {default_row!r}.")
+        self.default_row = default_row
+        self._capacity = int(capacity)
+        # A trained default row is the table's last row, past every row the map gives.
+        rows = self._capacity + (default_row == "trained")
+        super().__init__(rows, output_dim, updater, embeddings_initializer, combiner,
                          storage, **kwargs)
         new_rows.check(self.embeddings_initializer, self.name)
         self.key_halves = bool(key_halves)
@@ -66,7 +82,8 @@ class DynamicEmbedding(SparseEmbedding):
 
     @property
     def capacity(self):
-        return self.input_dim
+        """Rows ids can hold (the table has one more with `default_row="trained"`)."""
+        return self._capacity
 
     def build(self, input_shape=None):
         super().build(input_shape)
@@ -88,6 +105,8 @@ class DynamicEmbedding(SparseEmbedding):
         high, low = keys_lib.halves(ids, self.key_halves)
         rows, proposals = self.vocabulary.rows_for(high, low, bool(training))
         rows = ops.reshape(rows, keys_lib.key_shape(ids, self.key_halves))
+        if self.default_row == "trained":
+            rows = ops.where(ops.less(rows, 0), self._capacity, rows)
         if self.combiner is None:
             return self._lookup(rows, changed=proposals)
         return self._lookup.pooled(rows, self.combiner, changed=proposals)
@@ -152,10 +171,12 @@ class DynamicEmbedding(SparseEmbedding):
             ValueError: more ids were replaced since `since_step` than
                 `tombstone_log` keeps.
         """
-        return self.vocabulary.delta(int(since_step), self.embeddings, self.name)
+        return self.vocabulary.delta(int(since_step), self.embeddings, self.name,
+                                     trained_default=self.default_row == "trained")
 
     def get_config(self):
         config = super().get_config()
-        config["capacity"] = config.pop("input_dim")
-        return {**config, "key_halves": self.key_halves, **self.vocabulary.get_config()}
+        config.pop("input_dim")
+        return {**config, "capacity": self.capacity, "key_halves": self.key_halves,
+                "default_row": self.default_row, **self.vocabulary.get_config()}
 

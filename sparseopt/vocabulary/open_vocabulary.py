@@ -56,6 +56,8 @@ class Delta(NamedTuple):
         tombstones: int64 `[T]` ids that lost their row after the step
             (taken by another id, or expired), none of which holds a row
             now; an id may be repeated from an earlier delta.
+        default: float32 `[D]`, what ids not held read now (the trained
+            default row, or zeros).
     """
 
     step: int
@@ -63,6 +65,7 @@ class Delta(NamedTuple):
     rows: Any
     values: Any
     tombstones: Any
+    default: Any
 
 
 class Proposals(NamedTuple):
@@ -381,7 +384,7 @@ class OpenVocabulary:
         rows = np.nonzero(self._alive(seen, now))[0]
         return dict(zip(keys.join_int64(held[rows]).tolist(), rows.tolist()))
 
-    def delta(self, since, table, name):
+    def delta(self, since, table, name, trained_default=False):
         """What changed after layer step `since`: see `DynamicEmbedding.delta`."""
         held, seen, now, ((high, low, rows, step), (old, old_seen)) = (
             self._as_next_lookup_sees_it())
@@ -399,5 +402,10 @@ class OpenVocabulary:
         values = np.asarray(ops.convert_to_numpy(ops.cast(
             backend.gather_from_resource(table, ops.convert_to_tensor(changed.astype("int32"))),
             "float32")))
+        default = np.zeros((table.shape[1],), np.float32)
+        if trained_default:  # the table's last row
+            default = np.asarray(ops.convert_to_numpy(ops.cast(
+                backend.gather_from_resource(table, ops.convert_to_tensor([self.capacity])),
+                "float32")))[0]
         return Delta(step=now, ids=keys.join_int64(held[changed]), rows=changed.astype(np.int64),
-                     values=values, tombstones=gone)
+                     values=values, tombstones=gone, default=default)
