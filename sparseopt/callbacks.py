@@ -138,8 +138,8 @@ class TableHealth(keras.callbacks.Callback):
     - with open-vocabulary tables (`DynamicEmbedding`), summed over them:
       `vocabulary_held` (rows holding an id now) and the running totals
       `vocabulary_admitted`, `vocabulary_evicted`, `vocabulary_default_lookups`
-      (lookups of ids not held), `vocabulary_found`, `vocabulary_probe_length`
-      and `vocabulary_unplaced` (`sparseopt.vocabulary.COUNTS`), and
+      (lookups of ids not held), `vocabulary_found`, `vocabulary_probe_length`,
+      `vocabulary_reclaimed` and `vocabulary_unplaced` (`sparseopt.vocabulary.COUNTS`), and
       `vocabulary_mean_probe_length` (rows read per id found; 1: its home row).
 
     With `warn=True` it also warns, naming each table whose count grew.

@@ -101,6 +101,8 @@ def test_the_map_follows_a_plain_python_reference_step_by_step(
         np.testing.assert_array_equal(got[1], want[1])
         assert got[2] == want[2]
         assert got[3] == want[3]
+        # Rows holding an id (live, or expired and not reused yet), as written so far.
+        assert layer.vocabulary_stats()["held"] == int((got[1] >= 0).sum())
         if eviction == "lfu":
             np.testing.assert_array_equal(to_np(layer.vocabulary.frequency.counts),
                                           ref.map.freq)

@@ -101,7 +101,7 @@ class ReferenceVocabulary:
         self.pending = []  # (id, row, step, evicted) of the last applied step
         self.sighted = {}  # (id, row) of `pending` -> the id's sightings in its step
         self.counts = {"default_lookups": 0, "found": 0, "probe_length": 0, "admitted": 0,
-                       "evicted": 0, "unplaced": 0}
+                       "evicted": 0, "reclaimed": 0, "unplaced": 0}
         self.lost = []  # (id, step): an id lost its row (taken by another, or expired)
 
     @property
@@ -140,6 +140,7 @@ class ReferenceVocabulary:
         for key, row, step, evicted in self.pending:
             if self.map.seen[row] >= 0 and self.map.key.get(row) != key:
                 self.lost.append((self.map.key[row], step))
+                self.counts["reclaimed"] += int(not evicted)  # an expired id's row
             new = not (self.map.key.get(row) == key and self.map.seen[row] >= 0)
             if self.map.seen[row] < step:  # first written: its own sightings
                 self.map.freq[row] = min(self.sighted[(key, row)], 2**30)

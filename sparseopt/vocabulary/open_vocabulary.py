@@ -36,10 +36,11 @@ EVICTIONS = ("lru", "lfu", "none")
 DEFAULT_PROBES = 8  # 16: 2% more rows held when full, 10-20% more step (docs)
 # What `counts` totals: lookups of ids not held (they read zeros), lookups of
 # ids held, and the rows those read into their windows to find them (1 at
-# the home row), ids given a row, rows taken from another live id, and ids
-# that qualified but found no row in their window (or were over
-# `admissions_per_step`) in their step.
-COUNTS = ("default_lookups", "found", "probe_length", "admitted", "evicted", "unplaced")
+# the home row), ids given a row, rows taken from another live id, rows
+# taken from an expired id (TTL), and ids that qualified but found no row in
+# their window (or were over `admissions_per_step`) in their step.
+COUNTS = ("default_lookups", "found", "probe_length", "admitted", "evicted", "reclaimed",
+          "unplaced")
 DEFAULT_TOMBSTONE_LOG = 65536
 
 
@@ -297,8 +298,8 @@ class OpenVocabulary:
             ops.logical_and(ops.equal(held[:, 0], high), ops.equal(held[:, 1], low)),
             ops.greater_equal(seen, 0))))
         # The ids these rows held (live or expired) lose them: tombstones.
-        self.tombstones.record(held[:, 0], held[:, 1], step,
-                               ops.logical_and(new, ops.greater_equal(seen, 0)))
+        replaced = ops.logical_and(new, ops.greater_equal(seen, 0))
+        self.tombstones.record(held[:, 0], held[:, 1], step, replaced)
         if self.frequency is not None:  # first written (not again): its own count
             self.frequency.start(safe, sightings, ops.logical_and(valid, ops.less(seen, step)))
         # Only the ids not written yet (which also orders this write after the
@@ -309,6 +310,8 @@ class OpenVocabulary:
             self.sightings.forget(high, low, new)
         self._count("admitted", ops.sum(ops.cast(new, "int32")))
         self._count("evicted", ops.sum(ops.cast(ops.logical_and(new, evicted), "int32")))
+        self._count("reclaimed", ops.sum(ops.cast(
+            ops.logical_and(replaced, ops.logical_not(evicted)), "int32")))
 
     def _count(self, name, amount):
         counters.add(self.counts, COUNTS.index(name), amount)
@@ -350,10 +353,11 @@ class OpenVocabulary:
     # -- reading it -----------------------------------------------------------
 
     def stats(self):
-        """`{name: int}`: the running totals (`COUNTS`), `held` (rows holding an id) and
+        """`{name: int}`: the running totals (`COUNTS`), `held` (rows holding an id, or an
+        expired one whose row is not reused yet) and
         `mean_probe_length` (rows read into its window per id found, 1 at its home row)."""
         out = dict(zip(COUNTS, counters.read(self.counts)))
-        out["held"] = out["admitted"] - out["evicted"]
+        out["held"] = out["admitted"] - out["evicted"] - out["reclaimed"]
         out["mean_probe_length"] = out["probe_length"] / max(out["found"], 1)
         return out
 
