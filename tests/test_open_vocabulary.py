@@ -243,7 +243,10 @@ def test_loss_scaling_and_table_health_see_the_vocabulary():
     variable), nothing is admitted until a step applies; `TableHealth` reports the
     map's totals in `fit`'s logs."""
     ids = keras.Input((N_IDS,), dtype="int32")
-    layer = sparseopt.layers.DynamicEmbedding(8, WIDTH, sparseopt.updaters.SGD(0.5), name="dyn")
+    # (Rounds enough for 5 ids in 8 rows to all be placed in one step: this test is
+    # about skipped steps, not contention.)
+    layer = sparseopt.layers.DynamicEmbedding(8, WIDTH, sparseopt.updaters.SGD(0.5), name="dyn",
+                                              placement_rounds=5)
     model = keras.Model(ids, layer(ids))
     scaler = keras.optimizers.LossScaleOptimizer(
         sparseopt.DispatchOptimizer(keras.optimizers.SGD()), initial_scale=2.0**127)
