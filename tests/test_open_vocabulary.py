@@ -201,6 +201,9 @@ def test_ids_not_held_read_zeros_and_count_as_default_lookups():
     assert layer.vocabulary_stats()["default_lookups"] == 3
     out = to_np(model(x))  # the hand-over is written: rows of ones
     np.testing.assert_array_equal(out, 1.0)
+    model.predict(np.array([[13, 14, 15]], "int32"), verbose=0)  # not held: zeros
+    # Ids an open vocabulary does not hold are not "dropped ids", in training or not.
+    assert model.optimizer.dropped_ids() == {layer.embeddings.path: 0}
 
 
 @pytest.mark.parametrize("combiner", ["sum", "mean"])

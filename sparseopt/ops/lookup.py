@@ -157,10 +157,11 @@ class SparseLookup:
             ids: int rows.
             changed: rows an open vocabulary gave to new ids in this call
                 (`sparseopt.vocabulary.Proposals`), recorded with the row
-                gradients (`RowGrads.changed`); its ids outside the table are
-                ids it does not hold, not counted as dropped.
+                gradients (`RowGrads.changed`). (An open vocabulary's ids
+                outside the table are ids it does not hold, never counted as
+                dropped, in training or not.)
         """
-        valid, safe_ids, update_ids = self._prepare(ids, count_dropped=changed is None)
+        valid, safe_ids, update_ids = self._prepare(ids)
         rows = ops.where(ops.expand_dims(valid, -1), self._read(safe_ids), 0.0)
         return backend.tap(rows, self.probe.value, update_ids, self._on_backward,
                            aux=(None, changed))
@@ -191,7 +192,7 @@ class SparseLookup:
             if combiner == "mean":
                 weight = weight / ops.maximum(ops.sum(weight, axis=-1, keepdims=True), 1.0)
             return ops.sum(rows * ops.expand_dims(weight, -1), axis=-2)
-        valid, safe_ids, update_ids = self._prepare(ids, count_dropped=changed is None)
+        valid, safe_ids, update_ids = self._prepare(ids)
         weight = ops.cast(valid, self.compute_dtype)
         if combiner == "mean":
             weight = weight / ops.maximum(ops.sum(weight, axis=-1, keepdims=True), 1.0)
@@ -218,13 +219,13 @@ class SparseLookup:
             self._sizes[replica] = (token, [])  # eager: each call is a pass
         self._sizes[replica][1].append(count)
 
-    def _prepare(self, ids, count_dropped=True):
+    def _prepare(self, ids):
         """Checks `ids`, counts the dropped ones; `(valid, ids to read, ids to update)`."""
         check_ids_dtype(ids, self.layer_name, self.table.path)
         self._forget_other_traces(ids)
         self._record_size(ids)
         valid = self.valid(ids)
-        if count_dropped:
+        if self.vocabulary is None:  # (an open vocabulary counts its own: default_lookups)
             dropped = ops.sum(ops.cast(ops.logical_not(valid), "int32"))
             # Every replica (TF MirroredStrategy) counts the whole step's, in its copy.
             self.num_dropped_ids.assign_add(backend.sum_over_replicas(dropped))
