@@ -138,21 +138,21 @@ class ReferenceVocabulary:
 
     def _commit(self):
         for key, row, step, evicted in self.pending:
-            if self.map.seen[row] >= 0 and self.map.key.get(row) != key:
-                self.lost.append((self.map.key[row], step))
-                self.counts["reclaimed"] += int(not evicted)  # an expired id's row
-            new = not (self.map.key.get(row) == key and self.map.seen[row] >= 0)
-            if self.map.seen[row] < step:  # first written: its own sightings
-                self.map.freq[row] = min(self.sighted[(key, row)], 2**30)
+            if self.map.seen[row] >= step:
+                continue  # written by an earlier call already
+            if self.map.seen[row] >= 0:  # the row held an id: live (evicted) or expired
+                if self.map.key[row] != key:
+                    self.lost.append((self.map.key[row], step))
+                self.counts["reclaimed"] += int(not evicted)
+            self.map.freq[row] = min(self.sighted[(key, row)], 2**30)  # its own sightings
             self.map.key[row] = key
-            self.map.seen[row] = max(self.map.seen[row], step)
-            if new:
-                self.counts["admitted"] += 1
-                self.counts["evicted"] += int(evicted)
-                if self.admit_after > 1:  # admitted: its sightings are forgotten
-                    at = self.sightings.find(key, 0)
-                    if at >= 0:
-                        self.sightings.seen[at] = -1
+            self.map.seen[row] = step
+            self.counts["admitted"] += 1
+            self.counts["evicted"] += int(evicted)
+            if self.admit_after > 1:  # admitted: its sightings are forgotten
+                at = self.sightings.find(key, 0)
+                if at >= 0:
+                    self.sightings.seen[at] = -1
 
     def lookup(self, keys):
         """An inference call: `[rows]` (the hand-over written first)."""

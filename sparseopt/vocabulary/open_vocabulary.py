@@ -294,24 +294,28 @@ class OpenVocabulary:
         safe = ops.where(valid, rows, 0)
         held = backend.gather_from_resource(self.keys, safe)
         seen = backend.gather_from_resource(self.last_seen, safe)
-        new = ops.logical_and(valid, ops.logical_not(ops.logical_and(
-            ops.logical_and(ops.equal(held[:, 0], high), ops.equal(held[:, 1], low)),
-            ops.greater_equal(seen, 0))))
-        # The ids these rows held (live or expired) lose them: tombstones.
-        replaced = ops.logical_and(new, ops.greater_equal(seen, 0))
-        self.tombstones.record(held[:, 0], held[:, 1], step, replaced)
-        if self.frequency is not None:  # first written (not again): its own count
-            self.frequency.start(safe, sightings, ops.logical_and(valid, ops.less(seen, step)))
-        # Only the ids not written yet (which also orders this write after the
+        # An entry's first write (its row was last seen before the step that
+        # chose it; once written, it was seen then).
+        first = ops.logical_and(valid, ops.less(seen, step))
+        other = ops.logical_not(ops.logical_and(ops.equal(held[:, 0], high),
+                                                ops.equal(held[:, 1], low)))
+        had = ops.logical_and(first, ops.greater_equal(seen, 0))  # the row held an id
+        # Another id (live or expired) loses its row: a tombstone. (An expired id
+        # admitted again into its own row loses nothing.)
+        self.tombstones.record(held[:, 0], held[:, 1], step, ops.logical_and(had, other))
+        if self.frequency is not None:  # its own count, not the old id's
+            self.frequency.start(safe, sightings, first)
+        # Keys only where they change (which also orders this write after the
         # read above: XLA then writes in place instead of copying the map).
-        backend.scatter_where(self.keys, safe, ops.stack([high, low], axis=1), new)
+        backend.scatter_where(self.keys, safe, ops.stack([high, low], axis=1),
+                              ops.logical_and(first, other))
         backend.scatter_where(self.last_seen, safe, ops.maximum(seen, step), valid)
         if self.sightings is not None:
-            self.sightings.forget(high, low, new)
-        self._count("admitted", ops.sum(ops.cast(new, "int32")))
-        self._count("evicted", ops.sum(ops.cast(ops.logical_and(new, evicted), "int32")))
+            self.sightings.forget(high, low, first)
+        self._count("admitted", ops.sum(ops.cast(first, "int32")))
+        self._count("evicted", ops.sum(ops.cast(ops.logical_and(first, evicted), "int32")))
         self._count("reclaimed", ops.sum(ops.cast(
-            ops.logical_and(replaced, ops.logical_not(evicted)), "int32")))
+            ops.logical_and(had, ops.logical_not(evicted)), "int32")))
 
     def _count(self, name, amount):
         counters.add(self.counts, COUNTS.index(name), amount)
