@@ -439,6 +439,11 @@ def test_what_open_vocabularies_do_not_support_yet_is_refused_naming_the_table()
                                           embeddings_initializer="glorot_uniform")
     with pytest.raises(ValueError, match="`probes` must be in"):
         sparseopt.layers.DynamicEmbedding(8, 2, sparseopt.updaters.SGD(0.1), probes=9)
+    with pytest.raises(ValueError, match="`lfu_half_life` must be at least 1"):
+        sparseopt.layers.DynamicEmbedding(8, 2, sparseopt.updaters.SGD(0.1), eviction="lfu",
+                                          lfu_half_life=0)
+    with pytest.raises(ValueError, match="`eviction` must be one of"):
+        sparseopt.layers.DynamicEmbedding(8, 2, sparseopt.updaters.SGD(0.1), eviction="fifo")
     ids = keras.Input((N_IDS,), dtype="int32")
     layer = sparseopt.layers.DynamicEmbedding(8, WIDTH, sparseopt.updaters.SGD(0.1), name="dyn")
     model = keras.Model(ids, layer(ids))
