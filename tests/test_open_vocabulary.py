@@ -427,7 +427,7 @@ def test_running_totals_count_past_two_to_the_31():
     want = [0, 0, 0]
     for i in range(20):
         amount = (2**30 - 1) if i % 2 else 123_456_789
-        counters.add(totals, i % 3, amount)
+        counters.add(totals, {i % 3: amount})
         want[i % 3] += amount
     assert counters.read(totals) == want
     assert max(want) > 2**32

@@ -13,11 +13,13 @@ _BITS = 30
 _LOW = np.int32((1 << _BITS) - 1)
 
 
-def add(totals, which, amount):
-    """Adds `amount` (an int32 scalar, at least 0) to total `which` of `totals`
-    (an int32 `[K, 2]` variable)."""
-    one_hot = ops.equal(ops.arange(totals.shape[0], dtype="int32"), which)
-    low = totals.value[:, 1] + ops.where(one_hot, ops.cast(amount, "int32"), 0)
+def add(totals, amounts):
+    """Adds `amounts` (`{index: int32 scalar, at least 0}`) to `totals` (an int32 `[K, 2]`
+    variable), in one update (a step's totals together: one write, not one each)."""
+    position = ops.arange(totals.shape[0], dtype="int32")
+    step = sum(ops.where(ops.equal(position, i), ops.cast(a, "int32"), 0)
+               for i, a in amounts.items())
+    low = totals.value[:, 1] + step
     high = totals.value[:, 0] + ops.right_shift(low, _BITS)
     totals.assign(ops.stack([high, ops.bitwise_and(low, _LOW)], axis=1))
 

@@ -239,10 +239,10 @@ class OpenVocabulary:
             return rows, None
         missing = ops.less(rows, 0)
         found = ops.logical_not(missing)
-        self._count("default_lookups", ops.sum(ops.cast(missing, "int32")))
-        self._count("found", ops.sum(ops.cast(found, "int32")))
         length = ops.mod(rows - home, self.capacity) + 1
-        self._count("probe_length", ops.sum(ops.where(found, length, 0)))
+        self._count(default_lookups=ops.sum(ops.cast(missing, "int32")),
+                    found=ops.sum(ops.cast(found, "int32")),
+                    probe_length=ops.sum(ops.where(found, length, 0)))
         now = ops.full(ops.shape(rows), step, "int32")
         if self.frequency is not None:  # before `last_seen` moves on: it dates the counts
             before = self.frequency.add_lookups(self.last_seen, rows, found, step)
@@ -272,7 +272,7 @@ class OpenVocabulary:
                                      self.eviction, self.ttl, self.placement_rounds,
                                      self.frequency)
         placed = ops.greater_equal(rows, 0)
-        self._count("unplaced", ops.sum(ops.cast(wanted, "int32"))
+        self._count(unplaced=ops.sum(ops.cast(wanted, "int32"))
                     - ops.sum(ops.cast(placed, "int32")))
         return Proposals(high=high, low=low, rows=rows, evicted=evicted, valid=placed,
                          step=step, sightings=ops.take(occurrences, at))
@@ -312,13 +312,13 @@ class OpenVocabulary:
         backend.scatter_where(self.last_seen, safe, ops.maximum(seen, step), valid)
         if self.sightings is not None:
             self.sightings.forget(high, low, first)
-        self._count("admitted", ops.sum(ops.cast(first, "int32")))
-        self._count("evicted", ops.sum(ops.cast(ops.logical_and(first, evicted), "int32")))
-        self._count("reclaimed", ops.sum(ops.cast(
-            ops.logical_and(had, ops.logical_not(evicted)), "int32")))
+        self._count(admitted=ops.sum(ops.cast(first, "int32")),
+                    evicted=ops.sum(ops.cast(ops.logical_and(first, evicted), "int32")),
+                    reclaimed=ops.sum(ops.cast(
+                        ops.logical_and(had, ops.logical_not(evicted)), "int32")))
 
-    def _count(self, name, amount):
-        counters.add(self.counts, COUNTS.index(name), amount)
+    def _count(self, **amounts):
+        counters.add(self.counts, {COUNTS.index(name): a for name, a in amounts.items()})
 
     # -- the optimizer's side -------------------------------------------------
 
