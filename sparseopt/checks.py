@@ -179,20 +179,14 @@ def replicas(tables):
         )
 
 
-def open_vocabularies(tables, accumulation_steps):
+def open_vocabularies(tables):
     """Refuses what open-vocabulary tables (`DynamicEmbedding`) do not support yet.
 
     Args:
         tables: the paths of the tables with an open vocabulary.
-        accumulation_steps: the optimizer's `gradient_accumulation_steps`.
     """
     if not tables:
         return
-    if accumulation_steps:
-        raise ValueError(
-            f"DispatchOptimizer: the open-vocabulary tables {tables} (DynamicEmbedding) do "
-            "not support gradient_accumulation_steps yet: their map admits ids step by "
-            "step. Train them with a larger batch instead.")
     if backend.replica_strategy() is not None:
         raise ValueError(
             f"DispatchOptimizer: the open-vocabulary tables {tables} (DynamicEmbedding) do "

@@ -295,8 +295,7 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             checks.dense_options(self._dense_optimizers, sorted(self.table_trainers))
             checks.replicas(sorted(self.table_trainers))
             checks.open_vocabularies(
-                sorted(t.name for t in self._trainers.values() if t.vocabulary is not None),
-                self.gradient_accumulation_steps)
+                sorted(t.name for t in self._trainers.values() if t.vocabulary is not None))
         if self._installed:
             scaled = self.loss_scale_factor is not None or self.loss_scaling_wrapper is not None
             checks.install_options(sorted(v.path for v in self._installed.values()), scaled,
@@ -517,8 +516,14 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             accumulator.reset()
 
         # Everything the update reads or writes (JAX runs it as a cond over them).
-        backend.run_if(ops.equal(micro, steps - 1), update,
-                       [*self._trainable_variables, *self.variables])
+        last = ops.equal(micro, steps - 1)
+        backend.run_if(last, update, [*self._trainable_variables, *self.variables])
+        # Open vocabularies admit per micro-step, after the update (a slot holding a
+        # step starts at the updates made so far).
+        updates = self.iterations + ops.cast(last, self.iterations.dtype)
+        for trainer in trainers:
+            if id(trainer) in rows:
+                trainer.accept_micro_step(rows[id(trainer)], updates, last)
 
     def _step(self, dense, rows):
         """One update: dense gradients to their Keras optimizers, row gradients to tables.

@@ -202,6 +202,22 @@ class TableTrainer:
             self.vocabulary.accept(record.changed, applied, self.table, self.slots,
                                    self.updater.slots, iteration + 1)
 
+    def accept_micro_step(self, record, updates, cycle_ends):
+        """Gradient accumulation: an open vocabulary takes a micro-step's choices.
+
+        Its rows given to new ids start afresh now (none of them was seen
+        in the cycle, so none has gradients waiting: `OpenVocabulary.accept`).
+
+        Args:
+            record: the micro-step's `RowGrads`.
+            updates: int scalar, the optimizer's updates so far, including
+                one made in this micro-step.
+            cycle_ends: boolean scalar, whether this micro-step made the update.
+        """
+        if self.vocabulary is not None and record.changed is not None:
+            self.vocabulary.accept(record.changed, ops.ones((), "bool"), self.table,
+                                   self.slots, self.updater.slots, updates, cycle_ends)
+
     def prepare(self, record):
         """The step's ids deduplicated and their gradients summed (`sparse_apply.Prepared`).
 

@@ -15,7 +15,7 @@ import sparseopt
 from sparseopt.vocabulary import pending as pending_lib
 from tests.conftest import to_np
 from tests.helpers import THOROUGH, dot_loss, kinds, registered_cases
-from tests.vocabulary_reference import ReferenceVocabulary
+from tests.vocabulary_reference import ReferenceVocabulary, home
 
 WIDTH, N_IDS, BATCH = 2, 3, 4
 # Ids from a small pool, so that they repeat, collide and get evicted; the
@@ -133,6 +133,90 @@ def test_the_map_follows_a_plain_python_reference_step_by_step(
     if default_row == "trained":
         np.testing.assert_allclose(table[capacity], default, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(layer.delta().default, default, rtol=1e-5, atol=1e-6)
+
+
+@settings_
+@given(capacity=st.integers(3, 8), probes=st.integers(1, 3),
+       eviction=st.sampled_from(["lru", "lfu", "none"]), ttl=st.sampled_from([None, 1, 2]),
+       k=st.integers(2, 3), seed=st.integers(0, 5), data=st.data())
+def test_gradient_accumulation_admits_per_micro_step_and_keeps_rows_with_waiting_gradients(
+        capacity, probes, eviction, ttl, k, seed, data):
+    """With `gradient_accumulation_steps=k`, the map follows the reference after every
+    micro-step with rows seen since the cycle began never taken (their gradients wait
+    in the buffers), and every row holds what SGD on the mean of its micro-steps'
+    gradients gives, starting afresh when given to a new id."""
+    keras.backend.clear_session(free_memory=False)
+    probes = min(probes, capacity)
+    ids = keras.Input((N_IDS,), dtype="int32")
+    layer = sparseopt.layers.DynamicEmbedding(
+        capacity, WIDTH, sparseopt.updaters.SGD(0.5), embeddings_initializer="zeros",
+        name="dyn", probes=probes, eviction=eviction, ttl=ttl, seed=seed,
+        admissions_per_step=3, placement_rounds=2, lfu_half_life=2)
+    model = keras.Model(ids, layer(ids))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1),
+                                                        gradient_accumulation_steps=k),
+                  loss=dot_loss)
+    ref = ReferenceVocabulary(capacity, probes, eviction, ttl, seed, 3, 2, half_life=2)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    value = np.zeros((capacity, WIDTH))  # each row, by the reference (SGD, lr 0.5)
+    waiting, cycle_start = [], 1  # (row, gradient) of the cycle so far; its first step
+    for micro in range(3 * k):
+        x = rng.choice(POOL[:10], size=(BATCH, N_IDS)).astype("int32")
+        y = rng.normal(size=(BATCH, N_IDS, WIDTH)).astype("float32")
+        rows = ref.train(x.reshape(-1).astype(np.int64).tolist(), guard=cycle_start)
+        model.train_on_batch(x, y)
+        got, want = map_state(layer), reference_state(ref)
+        assert got[0] == want[0] and got[2] == want[2] and got[3] == want[3]
+        np.testing.assert_array_equal(got[1], want[1])
+        waiting += [(r, g) for r, g in zip(rows, y.reshape(-1, WIDTH) / BATCH) if r >= 0]
+        given = [r for _, r, _, _ in ref.pending]
+        assert not set(given) & {r for r, _ in waiting}  # (the rule, in the reference)
+        if micro % k == k - 1:  # the update: the mean of the k micro-steps
+            for r, g in waiting:
+                value[r] -= 0.5 * g.astype(np.float64) / k
+            waiting, cycle_start = [], ref.step + 1
+        value[given] = 0.0  # given to a new id: starts at the initializer's zeros
+        np.testing.assert_allclose(to_np(layer.embeddings), value, rtol=1e-5, atol=1e-6)
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 3
+
+
+def test_with_accumulation_a_row_seen_in_the_cycle_waits_for_its_update():
+    """Two ids with one home row and one probe: without accumulation the second evicts
+    the first at once; with 2 micro-steps per update it waits until the update that
+    applies the first id's gradients, which then land on the first id's row."""
+    a, b, c = _two_ids_sharing_a_home_row(capacity=4, seed=0)
+    y = np.ones((1, 1, WIDTH), "float32")
+    for k, want in ((None, {b, c}), (2, {a, c})):
+        keras.backend.clear_session(free_memory=False)
+        ids = keras.Input((1,), dtype="int32")
+        layer = sparseopt.layers.DynamicEmbedding(4, WIDTH, sparseopt.updaters.SGD(1.0),
+                                                  embeddings_initializer="zeros",
+                                                  probes=1, name="dyn")
+        model = keras.Model(ids, layer(ids))
+        model.compile(optimizer=sparseopt.DispatchOptimizer(
+            keras.optimizers.SGD(), gradient_accumulation_steps=k), loss=dot_loss)
+        model.train_on_batch(np.array([[a]], "int32"), y)  # a is given its home row
+        model.train_on_batch(np.array([[c]], "int32"), y)  # (k=2: the first update)
+        model.train_on_batch(np.array([[a]], "int32"), y)  # a's gradient (k=2: waits)
+        model.train_on_batch(np.array([[b]], "int32"), y)  # b wants a's row
+        assert set(layer.held_ids()) == want, k
+        if k == 2:
+            # a's row: the mean of the second cycle's gradients (one of 1, one none).
+            row = layer.held_ids()[a]
+            np.testing.assert_allclose(to_np(layer.embeddings)[row], -0.5)
+            assert layer.vocabulary_stats()["unplaced"] == 1
+
+
+def _two_ids_sharing_a_home_row(capacity, seed):
+    """`(a, b, c)`: a and b share a home row, c has another."""
+    first = {}
+    for key in range(1, 1000):
+        at = home(key, seed, capacity)
+        if at in first:
+            a = first[at]
+            c = next(k for k in range(1, 1000) if home(k, seed, capacity) != at)
+            return a, key, c
+        first[at] = key
 
 
 CASES = registered_cases()
@@ -444,16 +528,6 @@ def test_what_open_vocabularies_do_not_support_yet_is_refused_naming_the_table()
                                           lfu_half_life=0)
     with pytest.raises(ValueError, match="`eviction` must be one of"):
         sparseopt.layers.DynamicEmbedding(8, 2, sparseopt.updaters.SGD(0.1), eviction="fifo")
-    ids = keras.Input((N_IDS,), dtype="int32")
-    layer = sparseopt.layers.DynamicEmbedding(8, WIDTH, sparseopt.updaters.SGD(0.1), name="dyn")
-    model = keras.Model(ids, layer(ids))
-    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(),
-                                                        gradient_accumulation_steps=2),
-                  loss=dot_loss)
-    with pytest.raises(ValueError, match=r"open-vocabulary tables \['dyn/embeddings'\].*"
-                                         "gradient_accumulation_steps"):
-        model.train_on_batch(np.zeros((1, N_IDS), "int32"), np.zeros((1, N_IDS, WIDTH)))
-    keras.backend.clear_session(free_memory=False)
     ids = keras.Input((N_IDS,), dtype="int32")
     layer = sparseopt.layers.DynamicEmbedding(8, WIDTH, sparseopt.updaters.SGD(0.1), name="dyn")
     model = keras.Model(ids, keras.layers.Add()([layer(ids), layer(ids)]))

@@ -54,14 +54,16 @@ class _Map:
                 return row
         return -1
 
-    def place(self, candidates, step, eviction, rounds):
-        """`[(row, held a live id) or None]` for `candidates`, in rounds."""
+    def place(self, candidates, step, eviction, rounds, guard=None):
+        """`[(row, held a live id) or None]` for `candidates`, in rounds; rows seen at or
+        after step `guard` (default: this step) are never taken."""
+        guard = step if guard is None else guard
         options = []
         for key in candidates:
             found = []
             for row in self.window(key):
                 live = self.alive(row, step)
-                usable = not live or (eviction != "none" and self.seen[row] < step)
+                usable = (not live or eviction != "none") and self.seen[row] < guard
                 if eviction == "lfu":  # the least frequent; ties: the one seen longest ago
                     score = (self.frequency(row, step), self.seen[row]) if live else (-1, -1)
                 else:
@@ -175,8 +177,9 @@ class ReferenceVocabulary:
                 self.count[got[0]] = totals[missing.index(key)]
         return totals
 
-    def train(self, keys, applied=True):
-        """A training call then the optimizer's step: `[rows]` the call read."""
+    def train(self, keys, applied=True, guard=None):
+        """A training call then the optimizer's step: `[rows]` the call read. With
+        gradient accumulation, `guard` is the step the update cycle began at."""
         self._commit()
         self.step += 1
         s = self.step
@@ -209,7 +212,7 @@ class ReferenceVocabulary:
             totals = self._sighted(missing, occurrences, s)
             wanted = [k for k, t in zip(missing, totals) if t >= self.admit_after]
         trying = wanted[:self.admissions]  # the first ones; the others wait
-        placed = self.map.place(trying, s, self.eviction, self.rounds)
+        placed = self.map.place(trying, s, self.eviction, self.rounds, guard)
         chosen = [c for c in range(len(trying)) if placed[c] is not None]
         self.counts["unplaced"] += len(wanted) - len(chosen)
         self.pending = ([(trying[c], placed[c][0], s, placed[c][1]) for c in chosen]

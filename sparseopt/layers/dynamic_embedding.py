@@ -89,9 +89,10 @@ class DynamicEmbedding(SparseEmbedding):
         super().build(input_shape)
         self.vocabulary.build(self.embeddings_initializer, self._add_state)
         self._lookup.vocabulary = self.vocabulary
-        self.vocabulary.pending.constraint = PlainOptimizerGuard(self.name,
-                                                                 self.embeddings.path)
-        self.vocabulary.pending._sparseopt_bookkeeping_of = self._lookup
+        for written in (self.vocabulary.pending, self.vocabulary.cycle_start):
+            # Written by the optimizer's step only.
+            written.constraint = PlainOptimizerGuard(self.name, self.embeddings.path)
+            written._sparseopt_bookkeeping_of = self._lookup
 
     def _add_state(self, name, shape, dtype, initial, trainable):
         init = keras.initializers.Constant(initial)

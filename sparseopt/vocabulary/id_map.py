@@ -73,13 +73,16 @@ def find(keys, last_seen, high, low, home, probes, step, ttl=None):
     return ops.where(ops.any(match, axis=1), row, -1)
 
 
-def place(last_seen, home, wanted, probes, step, evict, ttl, rounds, frequency=None):
+def place(last_seen, home, wanted, probes, step, evict, ttl, rounds, frequency=None,
+          guard=None):
     """Rows for the keys `wanted`: in each key's window, a free row, else one to evict.
 
     A row is free when no key holds it (or its key expired, `ttl`); where a
     window has no free row, `evict == "lru"` takes its least recently seen
     row and `evict == "lfu"` its least frequently seen one (`frequency`;
-    ties: the one seen longest ago), never one seen in this step. Keys that want the same
+    ties: the one seen longest ago), never one seen at or after step
+    `guard` (this step's, or, with gradient accumulation, those since the
+    update cycle began: their gradients wait to be applied to them). Keys that want the same
     row go in order (the first wins; the others try their next best row,
     leaving out every row taken so far, in the next round). After `rounds`
     rounds, keys still without a row get none this step.
@@ -100,6 +103,8 @@ def place(last_seen, home, wanted, probes, step, evict, ttl, rounds, frequency=N
         evict: `"lru"`, `"lfu"` or `"none"`.
         rounds: placement rounds.
         frequency: the rows' `frequency.Frequencies` (for `"lfu"`).
+        guard: int32 scalar, the first step whose rows are never taken
+            (None: `step`).
 
     Returns:
         `(rows, evicted)`: int32 `[C]` rows (-1: not placed) and bool `[C]`,
@@ -121,7 +126,10 @@ def place(last_seen, home, wanted, probes, step, evict, ttl, rounds, frequency=N
         score = ops.where(alive, seen, -1)
     usable = ops.logical_not(alive)
     if evict != "none":
-        usable = ops.logical_or(usable, ops.less(seen, step))
+        usable = ops.ones_like(usable)
+    # (An expired row seen since `guard` waits too: with `ttl` below the
+    # accumulation steps, its gradients are still to be applied.)
+    usable = ops.logical_and(usable, ops.less(seen, step if guard is None else guard))
     score = ops.where(usable, score, _FAR)
     claim = _CLAIMED + ops.arange(ops.shape(home)[0], dtype="int32")
     placed = ops.full(ops.shape(home), -1, "int32")

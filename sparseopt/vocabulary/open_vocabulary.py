@@ -7,6 +7,8 @@ layer's variables:
   (`id_map`), 12 bytes a row;
 - `steps`: the layer's training calls so far (its clock for LRU and TTL);
 - `pending`: the rows the last applied step gave to new ids (`pending`);
+- `cycle_start`: the step the optimizer's current update began at (rows
+  seen since are never given away: their gradients wait to be applied);
 - `counts`: running totals of `COUNTS` (`counters`: int32 pairs, no wrap);
 - `tombstones`: the ids replaced in the map, with their steps, for `delta`;
 - with `admit_after`, the sighting counts (`sightings.SightingCounts`).
@@ -19,6 +21,11 @@ those choices, with the row gradients, to the optimizer
 resets each chosen row and its per-row optimizer state and puts the choices
 in `pending`; a skipped step puts nothing there, so it admits and evicts
 nothing. Ids not held read zeros and their gradients go nowhere.
+
+With gradient accumulation every micro-batch that reaches the optimizer
+is such a step for the map (its choices are accepted at once), but a row
+seen since the update cycle began is never given to another id: its
+gradients wait in the accumulation buffers for the cycle's update.
 """
 
 from typing import Any, NamedTuple
@@ -203,6 +210,8 @@ class OpenVocabulary:
         self.pending = add_state("vocabulary_pending",
                                  (self.admissions_per_step, pending.FIELDS), "float32", 0.0,
                                  not backend.STATEFUL_APPLY)
+        self.cycle_start = add_state("vocabulary_cycle_start", (2,), "float32", 0.0,
+                                     not backend.STATEFUL_APPLY)
         self.tombstones.build(add_state)
         if self.frequency is not None:
             self.frequency.build(v, add_state)
@@ -215,7 +224,7 @@ class OpenVocabulary:
         counted = self.sightings.variables if self.sightings is not None else []
         frequency = [self.frequency.counts] if self.frequency is not None else []
         return [self.keys, self.last_seen, self.steps, self.counts, self.pending,
-                *self.tombstones.variables, *frequency, *counted]
+                self.cycle_start, *self.tombstones.variables, *frequency, *counted]
 
     # -- the lookup's side ----------------------------------------------------
 
@@ -270,7 +279,8 @@ class OpenVocabulary:
         home = keys.home_rows(high, low, self.seed, self.capacity)
         rows, evicted = id_map.place(self.last_seen, home, valid, self.probes, step,
                                      self.eviction, self.ttl, self.placement_rounds,
-                                     self.frequency)
+                                     self.frequency,
+                                     guard=pending.decode_step(self.cycle_start.value))
         placed = ops.greater_equal(rows, 0)
         self._count(unplaced=ops.sum(ops.cast(wanted, "int32"))
                     - ops.sum(ops.cast(placed, "int32")))
@@ -322,7 +332,7 @@ class OpenVocabulary:
 
     # -- the optimizer's side -------------------------------------------------
 
-    def accept(self, proposals, applied, table, slots, specs, step):
+    def accept(self, proposals, applied, table, slots, specs, step, cycle_ends=True):
         """After the table's update: the chosen rows start afresh, for the next call.
 
         Where `applied`, each chosen row of `table` is drawn anew from
@@ -336,7 +346,12 @@ class OpenVocabulary:
             table: the table variable.
             slots: `{name: variable}` of the table's optimizer state.
             specs: the updater's `SlotSpec`s.
-            step: int scalar, the optimizer's 1-based update count.
+            step: int scalar, the optimizer's updates so far, this one
+                included (what a slot holding a step starts at).
+            cycle_ends: boolean scalar: whether an update was made (or
+                skipped) in this step; False for a micro-step of gradient
+                accumulation before the cycle's last. Where True, rows seen
+                from the next call on are the next cycle's.
         """
         valid = ops.logical_and(proposals.valid, applied)
         rows = ops.where(valid, proposals.rows, 0)
@@ -353,6 +368,9 @@ class OpenVocabulary:
         self.pending.assign(pending.encode(proposals.high, proposals.low, rows,
                                            proposals.step, proposals.evicted, valid,
                                            proposals.sightings))
+        start = pending.decode_step(self.cycle_start.value)
+        self.cycle_start.assign(pending.encode_step(
+            ops.where(cycle_ends, ops.cast(proposals.step, "int32") + 1, start)))
 
     # -- reading it -----------------------------------------------------------
 

@@ -50,6 +50,16 @@ def encode(high, low, rows, step, evicted, valid, sightings):
     return ops.stack(columns, axis=1)
 
 
+def encode_step(step):
+    """float32 `[2]`: an int32 scalar step as two 16-bit halves (`decode_step`)."""
+    return ops.stack(_split(step))
+
+
+def decode_step(values):
+    """The int32 scalar step of an `encode_step`d array."""
+    return _join(values[0], values[1])
+
+
 def decode(values):
     """The `Entries` of an `encode`d array."""
     c = [values[:, i] for i in range(FIELDS)]
