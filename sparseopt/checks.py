@@ -177,17 +177,3 @@ def replicas(tables):
             "train on one device, or shard the tables on JAX with keras.distribution "
             "(see sparseopt.distribution.row_sharded)."
         )
-
-
-def open_vocabularies(tables):
-    """Refuses what open-vocabulary tables (`DynamicEmbedding`) do not support yet.
-
-    Args:
-        tables: the paths of the tables with an open vocabulary.
-    """
-    if not tables:
-        return
-    if backend.replica_strategy() is not None:
-        raise ValueError(
-            f"DispatchOptimizer: the open-vocabulary tables {tables} (DynamicEmbedding) do "
-            "not support tf.distribute strategies yet. Train on one device, or on JAX.")

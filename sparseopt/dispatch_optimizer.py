@@ -294,8 +294,6 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         if self._trainers:
             checks.dense_options(self._dense_optimizers, sorted(self.table_trainers))
             checks.replicas(sorted(self.table_trainers))
-            checks.open_vocabularies(
-                sorted(t.name for t in self._trainers.values() if t.vocabulary is not None))
         if self._installed:
             scaled = self.loss_scale_factor is not None or self.loss_scaling_wrapper is not None
             checks.install_options(sorted(v.path for v in self._installed.values()), scaled,

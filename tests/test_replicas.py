@@ -165,6 +165,35 @@ def test_a_replica_step_gathers_ids_and_rows_never_a_table_sized_tensor(out):
                                       "de/rs/embeddings": 48}
 
 
+@pytest.mark.parametrize("config", ["plain", "uneven", "accumulated"])
+def test_an_open_vocabulary_on_replicas_is_one_device_at_the_global_batch(out, config):
+    """Every replica works its map on every replica's ids in replica order, so the map
+    (ids, rows, steps, totals, hand-over) is the one device's bit for bit, the table and
+    its state train alike, and every copy is the same. (A last batch that leaves a
+    replica empty: the map alone; Keras' loss weighs such a batch differently.)"""
+    arrays, report = _npz(out, "vocabulary"), _json(out, "vocabulary")
+    single, multi = report[f"{config}/single"], report[f"{config}/multi"]
+    assert multi == single
+    assert single["stats"]["admitted"] > 12 and single["stats"]["evicted"] > 0
+    assert single["stats"]["default_lookups"] > 0
+    # (Accumulation buffers hold each replica's own micro-batches; the dedup
+    # workspace is scratch, positions in a buffer.)
+    paths = [p for p in _paths(arrays, f"{config}/single")
+             if "_accumulated_" not in p and not p.endswith("_dedup_workspace")]
+    assert any("vocabulary_keys" in p for p in paths)
+    for path in paths:
+        want = arrays[f"{config}/single/{path}"]
+        for replica in range(REPLICAS):
+            got = arrays[f"{config}/copies/{path}@{replica}"]
+            np.testing.assert_array_equal(got, arrays[f"{config}/copies/{path}@0"],
+                                          err_msg=path)
+        got = arrays[f"{config}/multi/{path}"]
+        if np.issubdtype(want.dtype, np.integer) or "vocabulary_" in path:
+            np.testing.assert_array_equal(got, want, err_msg=path)
+        elif config != "uneven":
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=path)
+
+
 def test_other_strategies_are_refused_naming_the_table_and_what_works(out):
     message = _json(out, "refused")["message"]
     assert message is not None

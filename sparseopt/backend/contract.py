@@ -80,6 +80,9 @@ CONTRACT = {
     "all_replicas": "`all_replicas(record)`: every replica's `RowGrads` of the step, gathered "
                     "(unchanged outside replicas).",
     "sum_over_replicas": "`sum_over_replicas(value)`: a value summed over the replicas.",
+    "gather_over_replicas": "`gather_over_replicas(values)`: `(every replica's [N_i, ...] "
+                            "values in replica order, where this replica's start)` ("
+                            "`(values, 0)` outside replicas).",
     "replica_id": "`replica_id()`: the replica being traced (0 outside replicas).",
     # Traces and the loop.
     "outside_trace": "`outside_trace()`: a context that runs its block outside any trace, even "

@@ -226,15 +226,35 @@ def all_replicas(record):
     if context is None:
         return record
     ids, grads = context.all_gather(record.ids, axis=0), record.grads
+    # (An open vocabulary's `changed` is the same on every replica: its map
+    # works on every replica's ids, `gather_over_replicas`.)
     if isinstance(grads, BagGrads):
         # Bag numbers are per replica: shift them past the earlier replicas' bags.
-        bags = tf.shape(grads.values, out_type=grads.bag.dtype)[:1]
-        counts = context.all_gather(bags, axis=0)
-        offset = tf.reduce_sum(counts[:context.replica_id_in_sync_group])
+        offset = _start(context, tf.shape(grads.values, out_type=grads.bag.dtype)[:1])
         return RowGrads(ids, BagGrads(context.all_gather(grads.values, axis=0),
                                       context.all_gather(grads.bag + offset, axis=0),
-                                      context.all_gather(grads.weight, axis=0)), record.calls)
-    return RowGrads(ids, context.all_gather(grads, axis=0), record.calls)
+                                      context.all_gather(grads.weight, axis=0)), record.calls,
+                        record.changed)
+    return RowGrads(ids, context.all_gather(grads, axis=0), record.calls, record.changed)
+
+
+def gather_over_replicas(values):
+    """`(every replica's values concatenated in replica order, this replica's start)`.
+
+    Outside a step with several replicas: `(values, 0)`. Replicas may hold
+    different numbers of entries (a batch that does not split evenly).
+    """
+    context = _replica_context()
+    if context is None:
+        return values, 0
+    start = _start(context, tf.shape(values, out_type=tf.int32)[:1])
+    return context.all_gather(values, axis=0), start
+
+
+def _start(context, size):
+    """Where this replica's entries begin among all replicas' (`size`: `[1]`, its own)."""
+    sizes = context.all_gather(size, axis=0)
+    return tf.reduce_sum(sizes[:context.replica_id_in_sync_group])
 
 
 def outside_trace():

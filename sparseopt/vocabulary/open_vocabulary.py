@@ -241,6 +241,13 @@ class OpenVocabulary:
         if training:
             step = step + 1
             self.steps.assign(step)
+            # TF MirroredStrategy: every replica works on every replica's ids, in
+            # replica order (the global batch's), so that every copy of the map
+            # stays the same, that of one device at the global batch.
+            n = ops.shape(high)[0]
+            (high, low), start = self._all_replicas(high, low)
+        else:
+            n, start = None, 0
         home = keys.home_rows(high, low, self.seed, self.capacity)
         rows = id_map.find(self.keys, self.last_seen, high, low, home,
                            self.probes, step, self.ttl)
@@ -259,7 +266,16 @@ class OpenVocabulary:
             # the write after that read and writes in place instead of copying.)
             now = ops.maximum(now, before)
         backend.scatter_where(self.last_seen, ops.maximum(rows, 0), now, found)
-        return rows, self._propose(high, low, missing, step)
+        proposals = self._propose(high, low, missing, step)
+        if not isinstance(start, int):  # this replica's own ids' rows
+            rows = ops.slice(rows, ops.expand_dims(start, 0), (n,))
+        return rows, proposals
+
+    @staticmethod
+    def _all_replicas(high, low):
+        """`((high, low) of every replica, this replica's start)` (`start` is 0 alone)."""
+        (high, start), (low, _) = (backend.gather_over_replicas(x) for x in (high, low))
+        return (high, low), start
 
     def _propose(self, high, low, missing, step):
         n = ops.shape(high)[0]

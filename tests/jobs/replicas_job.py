@@ -21,6 +21,10 @@ and messages):
   non-finite loss on the last replica only, on one device and on R replicas;
 - `graph`: a custom training loop's traced step (`strategy.run`): every op
   output with a table-sized dimension, and the collectives;
+- `vocabulary`: an open vocabulary (`DynamicEmbedding`: admission after 2
+  sightings, LRU eviction, a trained default row) trained by `fit` on one
+  device and on R replicas: plain, with a last batch that leaves some
+  replicas empty, and with gradient accumulation;
 - `refused`: the message `CentralStorageStrategy` gets.
 """
 
@@ -317,6 +321,59 @@ def run_graph(out):
     write_json(out, "graph", {"table_sized": table_sized, "ops": ops, "changed_rows": changed})
 
 
+def run_vocabulary(out):
+    """An open vocabulary (`DynamicEmbedding`) on one device and on the replicas, plain and
+    with 2 micro-batches per update: `vocabulary.npz` (`<config>/<single|multi>/<path>`, and
+    `@<replica>` copies) and `vocabulary.json` (totals and held ids)."""
+    rng = np.random.default_rng(5)
+    pool = rng.integers(-2**31, 2**31 - 1, 40)
+    strategy, arrays, report = mirrored(), {}, {}
+    # Plain: a short last batch (one example a replica); uneven: one that does
+    # not split evenly (some replicas get none; Keras' own loss then weighs
+    # the replicas' examples unlike one device: only the map compares). (With
+    # accumulation, batches of a known shape: its buffers are sized by it.)
+    for config, k, examples in (("plain", None, EXAMPLES + REPLICAS),
+                                ("uneven", None, EXAMPLES + REPLICAS // 2),
+                                ("accumulated", 2, EXAMPLES)):
+        # Drifting: the first half's ids stop, then come back (evictions each time).
+        half = examples // 2
+        x = np.concatenate([rng.choice(pool[:20], (half, 3)),
+                            rng.choice(pool[20:], (examples - half, 3))]).astype("int32")
+        y = rng.normal(size=(examples, 1)).astype("float32")
+        for name in ("single", "multi"):
+            keras.backend.clear_session()
+            if name == "multi":
+                with strategy.scope():
+                    model = vocabulary_model(k)
+            else:
+                model = vocabulary_model(k)
+            model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+            layer = model.get_layer("dyn")
+            arrays.update(primary(model, f"{config}/{name}"))
+            report[f"{config}/{name}"] = {
+                "stats": layer.vocabulary_stats(),
+                "held": {str(key): row for key, row in layer.held_ids().items()}}
+        arrays.update(copies(strategy, model, f"{config}/copies"))
+    np.savez(os.path.join(out, "vocabulary.npz"), **arrays)
+    write_json(out, "vocabulary", report)
+
+
+def vocabulary_model(accumulation_steps):
+    keras.utils.set_random_seed(6)
+    ids = keras.Input((3,), dtype="int32")
+    # 12 rows for 40 ids, 3 probes: admission after 2 sightings, LRU eviction and
+    # placement contests in every step; one trained default row.
+    table = sparseopt.layers.DynamicEmbedding(
+        12, WIDTH, sparseopt.updaters.Adagrad(0.3), probes=3, admit_after=2,
+        admissions_per_step=4, default_row="trained", name="dyn")
+    model = keras.Model(ids, keras.layers.Dense(1, name="head")(
+        keras.layers.Flatten()(table(ids))))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(
+        keras.optimizers.SGD(0.05), gradient_accumulation_steps=accumulation_steps),
+        loss="mse")
+    return model
+
+
 def run_refused(out):
     strategy = tf.distribute.experimental.CentralStorageStrategy(DEVICES[:2])
     with strategy.scope():
@@ -342,7 +399,8 @@ if __name__ == "__main__":
     target = sys.argv[1]
     if "--quick" in sys.argv:
         FIT_RUNS = FIT_RUNS[:1]
-    for run in (run_fit, run_controls, run_uneven, run_scaled, run_graph, run_refused):
+    for run in (run_fit, run_controls, run_uneven, run_scaled, run_graph, run_vocabulary,
+                run_refused):
         start = time.perf_counter()
         run(target)
         print(f"{run.__name__}: {time.perf_counter() - start:.1f} s", flush=True)
