@@ -39,6 +39,23 @@ def layout_like(table, ndim):
     return keras.distribution.TensorLayout(layout.axes[:ndim], layout.device_mesh)
 
 
+def rows_like(table, ndim):
+    """The layout of an `ndim`-D array split by `table`'s rows only (or None).
+
+    For arrays indexed by the table's rows but of another width (an open
+    vocabulary's map): the table's row split, nothing else split.
+
+    Args:
+        table: the table's Keras variable.
+        ndim: the array's rank (1 or more).
+    """
+    layout = compat.layout_of(table)
+    if layout is None:
+        return None
+    return keras.distribution.TensorLayout((layout.axes[0],) + (None,) * (ndim - 1),
+                                           layout.device_mesh)
+
+
 def replicated_beside(table, ndim):
     """A replicated layout for an `ndim`-D array on `table`'s device mesh, or None.
 

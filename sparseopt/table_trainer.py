@@ -86,11 +86,6 @@ class TableTrainer:
                 stochastic rounding draws its own bits).
         """
         table, prefix = self.table, self.table.path.replace("/", "_")
-        if self.vocabulary is not None and backend.row_shards(table) is not None:
-            raise ValueError(
-                f"DispatchOptimizer: table '{table.path}' has an open vocabulary "
-                "(DynamicEmbedding) and is split by rows over devices, which is not supported "
-                "yet. Replicate it (leave it out of the LayoutMap).")
         self.rounding = precision.Rounding(self.storage.stochastic_rounding,
                                            self.storage.rounding_seed, index)
         for spec in self.updater.slots:

@@ -274,6 +274,42 @@ def test_what_moves_and_scratch_memory_do_not_grow_with_the_vocabulary(runs, job
     assert report["temp_bytes_8x_rows"] - report["temp_bytes"] < smallest_shard_8x
 
 
+@pytest.mark.parametrize("layout", ROWS)
+def test_an_open_vocabulary_splits_its_map_with_the_rows_and_trains_like_one_device(
+        runs, layout):
+    """A row-sharded `DynamicEmbedding`: the map's per-row arrays (keys, last seen,
+    LFU counts) are split like the table; the map, its totals and held ids are one
+    device's bit for bit, the table and its state to float rounding; and what the step
+    moves between devices is the same at 8x and 64x the capacity (never the map)."""
+    got = np.load(os.path.join(runs, f"{layout}_vocabulary.npz"))
+    want = np.load(os.path.join(runs, "single_vocabulary.npz"))
+    reports = {}
+    for name in (layout, "single"):
+        with open(os.path.join(runs, f"{name}_vocabulary.json")) as f:
+            reports[name] = json.load(f)
+    report = reports[layout]
+    assert report["stats"] == reports["single"]["stats"]
+    assert report["held"] == reports["single"]["held"]
+    assert report["stats"]["evicted"] > 20 and report["stats"]["held"] > 150
+    assert sorted(got.files) == sorted(want.files)
+    for key in want.files:
+        if np.issubdtype(want[key].dtype, np.integer) or "vocabulary_" in key:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+        else:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    rows = 256 // SPLIT[layout]
+    shapes = report["shard_shapes"]
+    assert shapes["dyn/embeddings"] == [[rows, 8]]
+    assert shapes["dyn/vocabulary_keys"] == [[rows, 2]]
+    assert shapes["dyn/vocabulary_last_seen"] == [[rows]]
+    assert shapes["dyn/vocabulary_frequency"] == [[rows]]
+    assert "'dyn_default'" in report["trained_default"]
+    assert "default_row='zeros'" in report["trained_default"]
+    assert report["collectives_8x"] and report["collectives_64x"] == report["collectives_8x"]
+    # (The map's arrays at 8x the capacity are 8 KB to 16 KB.)
+    assert max(nbytes for _, _, nbytes in report["collectives_64x"]) < 8 * 1024
+
+
 def test_sharded_checkpoint_resumes_bit_for_bit(runs):
     """rows8: the run saves after 6 of its 12 steps (model.save); load_model under
     the same layout and the 6 other steps end where the run ends."""

@@ -1,6 +1,6 @@
 """JAX plumbing: a custom-VJP tap, sort-free dedup, the distinct-rows loop.
 
-Rows are read and written by `jax_rows` (gather, in-place scatter, 16-bit
+Rows are read by `jax_rows` and written by `jax_writes` (gather, in-place scatter, 16-bit
 bits); tables split by rows over devices by `jax_sharding`.
 
 `jax.grad` cannot return a sparse gradient, so the lookup's backward pass
@@ -17,9 +17,9 @@ import jax.numpy as jnp
 
 from sparseopt.backend import jax_sharding
 from sparseopt.backend.jax_dedup import first_occurrences, first_true  # noqa: F401
-from sparseopt.backend.jax_rows import (  # noqa: F401 (bitcast, gather, scatter...: the contract)
-    Held, bitcast, distinct_padding, gather, gather_rows, padding_ids, scatter,
-    scatter_min, scatter_where)
+from sparseopt.backend.jax_rows import (  # noqa: F401 (bitcast, gather...: the contract)
+    Held, bitcast, distinct_padding, gather, gather_rows, padding_ids)
+from sparseopt.backend.jax_writes import scatter, scatter_min, scatter_where  # noqa: F401
 from sparseopt.backend.jax_sharding import ROW_SHARDS, on_row_shards, row_shards  # noqa: F401
 from sparseopt.row_grads import Distinct
 

@@ -37,25 +37,16 @@ def bitcast(values, dtype):
     return jax.lax.bitcast_convert_type(values, dtype)
 
 
-def scatter(variable, ids, rows):
-    value = variable.value
-    unique = distinct_padding(value.shape[0], ids.shape[0])
+def set_rows(value, ids, rows, unique=False):
+    """`value` with `value[ids] = rows` (ids past the end dropped)."""
     new = _as_bits(value).at[ids].set(_as_bits(rows.astype(value.dtype)), mode="drop",
                                       unique_indices=unique)
-    variable.assign(_as_stored(new, value.dtype))
+    return _as_stored(new, value.dtype)
 
 
-def scatter_where(variable, ids, rows, keep):
-    value = variable.value
-    ids = jnp.where(keep, ids, value.shape[0])  # past the end: dropped
-    new = _as_bits(value).at[ids].set(_as_bits(rows.astype(value.dtype)), mode="drop")
-    variable.assign(_as_stored(new, value.dtype))
-
-
-def scatter_min(variable, ids, values, keep):
-    value = variable.value
-    ids = jnp.where(keep, ids, value.shape[0])  # past the end: dropped
-    variable.assign(value.at[ids].min(values.astype(value.dtype), mode="drop"))
+def min_rows(value, ids, values):
+    """`value` with `value[ids] = min(value[ids], values)` (ids past the end dropped)."""
+    return value.at[ids].min(values.astype(value.dtype), mode="drop")
 
 
 # XLA:CPU has no bfloat16 scatter: it converts the whole table to float32 and

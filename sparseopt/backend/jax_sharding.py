@@ -49,6 +49,15 @@ ROUTE_MIN_SHARDS = 4
 ROUTE_CAPACITY = 2.0
 
 
+def replicated_on_mesh_of(variable):
+    """A fully replicated `NamedSharding` on the mesh of `variable`'s layout, or None
+    (no `keras.distribution` layout)."""
+    sharding = getattr(compat.layout_of(variable), "backend_layout", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+
+
 def route_capacity(num_ids, shards):
     """Bucket size for `num_ids` ids over `shards` owners: `ROUTE_CAPACITY` times
     an even share, plus four standard deviations of a uniform draw (small

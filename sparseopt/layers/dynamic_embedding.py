@@ -3,7 +3,7 @@
 import keras
 from keras import ops
 
-from sparseopt import backend
+from sparseopt import backend, distribution
 from sparseopt.layers.sparse_embedding import SparseEmbedding
 from sparseopt.ops.lookup import PlainOptimizerGuard, layer_state
 from sparseopt.vocabulary import keys as keys_lib
@@ -87,6 +87,12 @@ class DynamicEmbedding(SparseEmbedding):
 
     def build(self, input_shape=None):
         super().build(input_shape)
+        split = distribution.rows_like(self.embeddings, 1)
+        if self.default_row == "trained" and split is not None and split.axes[0] is not None:
+            raise ValueError(
+                f"DynamicEmbedding '{self.name}': a trained default row makes the table "
+                f"capacity + 1 rows, which its map (capacity rows) cannot be split by rows "
+                f"with. On a table split by rows, use default_row='zeros'.")
         self.vocabulary.build(self.embeddings_initializer, self._add_state)
         self._lookup.vocabulary = self.vocabulary
         for written in (self.vocabulary.pending, self.vocabulary.cycle_start):
@@ -94,13 +100,22 @@ class DynamicEmbedding(SparseEmbedding):
             written.constraint = PlainOptimizerGuard(self.name, self.embeddings.path)
             written._sparseopt_bookkeeping_of = self._lookup
 
-    def _add_state(self, name, shape, dtype, initial, trainable):
+    def _add_state(self, name, shape, dtype, initial, trainable, rows=False):
         init = keras.initializers.Constant(initial)
         if trainable:
             # State, not a weight: written by the optimizer, never trained.
             return layer_state(self, name, dtype, True, shape=shape, initializer=init)
-        return self.add_weight(shape=shape, initializer=init, dtype=dtype, trainable=False,
-                               name=name)
+        layout = distribution.rows_like(self.embeddings, len(shape)) if rows else None
+        if layout is None:
+            return self.add_weight(shape=shape, initializer=init, dtype=dtype,
+                                   trainable=False, name=name)
+        # The map's per-row arrays are split by rows like the table (a row
+        # sharded table's map is split with it), whatever the LayoutMap says.
+        with keras.name_scope(self.name, caller=self):
+            variable = keras.Variable(init, shape=shape, dtype=dtype, trainable=False,
+                                      name=name, layout=layout)
+        setattr(self, f"_{name}", variable)  # (Keras tracks it as a weight)
+        return variable
 
     def call(self, ids, training=None):
         high, low = keys_lib.halves(ids, self.key_halves)

@@ -30,7 +30,8 @@ class Frequencies:
 
     def build(self, capacity, add_state):
         """Creates the variable (`add_state` as for `OpenVocabulary.build`)."""
-        self.counts = add_state("vocabulary_frequency", (capacity,), "int32", 0, False)
+        self.counts = add_state("vocabulary_frequency", (capacity,), "int32", 0, False,
+                                rows=True)
 
     def effective(self, counts, seen, step):
         """The counts `counts` of rows last seen at `seen`, as of `step` (halved since)."""

@@ -196,13 +196,16 @@ class OpenVocabulary:
         Args:
             initializer: the table's initializer (rows given to new ids are
                 drawn from it, `new_rows`).
-            add_state: `add_state(name, shape, dtype, initial, trainable)`,
-                which creates a variable of the layer.
+            add_state: `add_state(name, shape, dtype, initial, trainable,
+                rows=False)`, which creates a variable of the layer (`rows`:
+                indexed by the table's rows, and split like them).
         """
         self.initializer = initializer
         v = self.capacity
-        self.keys = add_state("vocabulary_keys", (v, 2), "int32", 0, False)
-        self.last_seen = add_state("vocabulary_last_seen", (v,), "int32", id_map.EMPTY, False)
+        # Indexed by the table's rows: split like them where the table is.
+        self.keys = add_state("vocabulary_keys", (v, 2), "int32", 0, False, rows=True)
+        self.last_seen = add_state("vocabulary_last_seen", (v,), "int32", id_map.EMPTY, False,
+                                   rows=True)
         self.steps = add_state("vocabulary_steps", (), "int32", 0, False)
         self.counts = add_state("vocabulary_counts", (len(COUNTS), 2), "int32", 0, False)
         # Written by the optimizer's step: trainable where only trainable

@@ -21,6 +21,8 @@ batches, in this one process, and leaves in OUT_DIR:
   their owner in one round and in several (`run_routing`);
 - `<layout>_whole.npz` (the same): a table whose rule keeps whole-table
   state (`run_whole_slots`);
+- `<layout>_vocabulary.npz`, `.json` (the same): an open vocabulary
+  (`run_vocabulary`);
 - `reshard_<i>_{loaded,saved}.npz`: a run saved under one layout and loaded
   under the next (`reshard`);
 - `<layout>.json`: where the tables and their state live (bytes per device,
@@ -357,6 +359,70 @@ def run_whole_slots(layout, out):
         np.savez(os.path.join(out, f"{layout}_whole.npz"), **saved)
 
 
+VOCABULARY_CAPACITY = 256  # 32 rows a shard over 8 devices; windows cross shards
+
+
+def vocabulary_model(capacity=VOCABULARY_CAPACITY):
+    keras.utils.set_random_seed(7)
+    ids = keras.Input((3,), dtype="int32")
+    # LFU (a per-row count split with the map) and admission after 2 sightings
+    # (a replicated sightings map); placement contests and evictions every step.
+    table = sparseopt.layers.DynamicEmbedding(
+        capacity, 8, sparseopt.updaters.Adagrad(0.1), probes=4, eviction="lfu",
+        lfu_half_life=3, admit_after=2, admissions_per_step=64, name="dyn")
+    model = keras.Model(ids, keras.layers.Dense(1, name="head")(
+        keras.layers.Flatten()(table(ids))))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.05)),
+                  loss="mse")
+    return model
+
+
+def run_vocabulary(layout, out):
+    """An open vocabulary (`DynamicEmbedding`) under `layout`: `<layout>_vocabulary.npz`
+    (the layer's variables, its table's state) and `.json` (totals, held ids, the map's
+    shard shapes, and the step's collectives at 8x and 64x the capacity)."""
+    keras.backend.clear_session(free_memory=False)
+    keras.distribution.set_distribution(distribution(layout))
+    rng = np.random.default_rng(8)
+    # 3,000 raw ids for 256 rows: most are rare, a few popular.
+    pool = rng.integers(-2**31, 2**31 - 1, 3000)
+    x = pool[np.minimum(rng.zipf(1.3, (BATCH * STEPS, 3)) - 1, 2999)].astype("int32")
+    y = rng.normal(size=(BATCH * STEPS, 1)).astype("float32")
+    model = vocabulary_model()
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    layer = model.get_layer("dyn")
+    saved = {f"w:{v.path}": to_numpy(v.value) for v in layer.weights}
+    saved.update({f"opt:{v.path}": to_numpy(v.value)
+                  for v in model.optimizer.table_trainer(layer.embeddings).saved_variables})
+    report = {"stats": layer.vocabulary_stats(),
+              "held": {str(k): r for k, r in layer.held_ids().items()},
+              "shard_shapes": {v.path: sorted({tuple(s.data.shape)
+                                               for s in v.value.addressable_shards})
+                               for v in layer.weights}}
+    if layout != "single":
+        try:  # a trained default row cannot split with the map: refused at build
+            sparseopt.layers.DynamicEmbedding(255, 8, sparseopt.updaters.SGD(0.1),
+                                              default_row="trained", name="dyn_default",
+                                              ).build((None, 3))
+            report["trained_default"] = "built"
+        except ValueError as e:
+            report["trained_default"] = str(e)
+    if layout != "single":  # what moves must not grow with the capacity
+        # (From 8x: below, XLA gathers the whole map, smaller than a batch's windows.)
+        for scale in (8, 64):
+            keras.backend.clear_session(free_memory=False)
+            keras.distribution.set_distribution(distribution(layout))
+            m = vocabulary_model(VOCABULARY_CAPACITY * scale)
+            m.optimizer.build(m.trainable_variables)
+            step = compile_train_step(m, x[:BATCH], y[:BATCH],
+                                      compiler_options=XLA_PRODUCTION_FUSIONS)
+            report[f"collectives_{scale}x"] = [[c.kind, c.shapes, c.nbytes]
+                                               for c in collectives(step.as_text())]
+    np.savez(os.path.join(out, f"{layout}_vocabulary.npz"), **saved)
+    with open(os.path.join(out, f"{layout}_vocabulary.json"), "w") as f:
+        json.dump(report, f)
+
+
 def fully_replicated(variable):
     """Whether every device holds all of `variable` (one device: True)."""
     sharding = getattr(variable.value, "sharding", None)
@@ -493,6 +559,8 @@ def main():
             done(f"{layout} routing")
             run_whole_slots(layout, args.out)
             done(f"{layout} whole slots")
+            run_vocabulary(layout, args.out)
+            done(f"{layout} vocabulary")
         if jax.process_count() == 1 and layout in ("single", "rows8"):
             run_controls(layout, args.out, x, y, init)
             done(f"{layout} controls")
