@@ -60,8 +60,9 @@ CONTRACT = {
     "first_occurrences": "`first_occurrences(high, low, active)`: for int32 `[N]` key "
                          "halves, the position of the first `active` entry with each entry's "
                          "key where `active`, else the entry's own (a hash dedup, no sort).",
-    "first_true": "`first_true(mask, k)`: int32 `[k]` positions of the first `k` True entries "
-                  "of a bool `[N]` mask, in order (-1 past them).",
+    "first_true": "`first_true(mask, k)`: int32 positions of the first (at most) `k` True "
+                  "entries of a bool `[N]` mask, in order: `[k]`, -1 past them, where shapes "
+                  "are static (JAX); exactly those where they need not be (TF).",
     "STATEFUL_APPLY": "whether an optimizer step may write any variable (TF); where not "
                       "(JAX's stateless apply), only trainable and optimizer variables.",
     "bitcast": "`bitcast(values, dtype)`: the same bits as another 32-bit dtype (float32 and "

@@ -80,6 +80,8 @@ class Proposals(NamedTuple):
     """The rows a training call chose for new ids (at most `admissions_per_step`).
 
     A JAX pytree: it travels with the row gradients (`RowGrads.changed`).
+    `[A]` arrays where shapes are static (JAX), else `[M]`: the step's
+    candidates only (`backend.first_true`).
 
     Args:
         high, low: int32 `[A]` the ids' halves.
@@ -386,7 +388,7 @@ class OpenVocabulary:
             backend.scatter_where(var, rows, ops.broadcast_to(start, shape), valid)
         self.pending.assign(pending.encode(proposals.high, proposals.low, rows,
                                            proposals.step, proposals.evicted, valid,
-                                           proposals.sightings))
+                                           proposals.sightings, self.admissions_per_step))
         start = pending.decode_step(self.cycle_start.value)
         self.cycle_start.assign(pending.encode_step(
             ops.where(cycle_ends, ops.cast(proposals.step, "int32") + 1, start)))

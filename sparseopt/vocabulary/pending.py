@@ -40,14 +40,18 @@ def _join(upper, lower):
     return ops.cast(joined, "int32")
 
 
-def encode(high, low, rows, step, evicted, valid, sightings):
-    """float32 `[A, FIELDS]` of `A` entries (int32 `[A]` halves, rows, a scalar step; bool
-    `[A]` evicted and valid; int32 `[A]` the ids' sightings in their step)."""
+def encode(high, low, rows, step, evicted, valid, sightings, size):
+    """float32 `[size, FIELDS]` of `M <= size` entries (int32 `[M]` halves, rows, a scalar
+    step; bool `[M]` evicted and valid; int32 `[M]` the ids' sightings in their step),
+    padded with entries that are not valid."""
     step = ops.broadcast_to(ops.cast(step, "int32"), ops.shape(rows))
     columns = (_split(high) + _split(low) + _split(rows) + _split(step)
                + [ops.cast(evicted, "float32"), ops.cast(valid, "float32")]
                + _split(sightings))
-    return ops.stack(columns, axis=1)
+    entries = ops.stack(columns, axis=1)
+    if entries.shape[0] == size:
+        return entries
+    return ops.pad(entries, [[0, size - ops.shape(entries)[0]], [0, 0]])
 
 
 def encode_step(step):
