@@ -147,22 +147,40 @@ def run_stream(chunks, universe, rows):
     return curves, memories
 
 
+class StepClock(keras.callbacks.Callback):
+    """Each training step's wall time (from the end of one to the end of the next)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ms, self._last = [], None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._last = None  # (the pause between `fit` calls is no step's)
+
+    def on_train_batch_end(self, batch, logs=None):
+        float(logs["loss"])  # waits for the step (JAX dispatches ahead)
+        now = time.perf_counter()
+        if self._last is not None:
+            self.ms.append((now - self._last) * 1e3)
+        self._last = now
+
+
 def step_times(x, y, universe, rows, batch, rounds=5, steps=10):
-    """Median ms per step of each variant, round-robin on the same batches."""
+    """Median ms per step of each variant, round-robin on the same batches (each step
+    timed alone, so that `fit`'s own set-up counts in none)."""
     models = {v: build(v, universe, rows)[0] for v in VARIANTS}
     n = batch * steps
     parts = {v: ({k: a[:n] for k, a in inputs_of(v, x, rows).items()}, y[:n])
              for v in VARIANTS}
     for v, model in models.items():  # compile, and fill the open vocabulary
         model.fit(*parts[v], batch_size=batch, epochs=2, verbose=0, shuffle=False)
-    times = {v: [] for v in VARIANTS}
+    clocks = {v: StepClock() for v in VARIANTS}
     for _ in range(rounds):
         for v, model in models.items():
-            start = time.perf_counter()
-            model.fit(*parts[v], batch_size=batch, epochs=1, verbose=0, shuffle=False)
-            times[v].append((time.perf_counter() - start) / steps * 1e3)
+            model.fit(*parts[v], batch_size=batch, epochs=1, verbose=0, shuffle=False,
+                      callbacks=[clocks[v]])
     keras.backend.clear_session(free_memory=False)
-    return {v: float(np.median(t)) for v, t in times.items()}
+    return {v: float(np.median(clock.ms)) for v, clock in clocks.items()}
 
 
 def plot(curves, path, backend, rows, universe):
@@ -178,11 +196,23 @@ def main():
     parser.add_argument("--rows-divisor", type=int, default=4,
                         help="rows of the open and hashed tables: the universe / this "
                              "(8: fewer rows than live ids, so the table overflows)")
+    parser.add_argument("--step-times-only", action="store_true",
+                        help="only the step times of each variant (no stream, nothing written)")
     args = parser.parse_args()
     universe = 200_000 if args.quick else 800_000
     chunks_n, per_chunk = (12, 50_000) if args.quick else (20, 100_000)
     rows = universe // args.rows_divisor
     backend = keras.backend.backend()
+    if args.step_times_only:
+        big = stream(universe, 1, 16384 * 10, seed=1)[0]
+        print(f"| batch ({backend}, {rows:,} rows) | "
+              + " | ".join(f"{v} ms" for v in VARIANTS) + " | open / row per id |")
+        print("|---" * (len(VARIANTS) + 2) + "|")
+        for batch in (4096, 16384):
+            ms = step_times(big[0], big[1], universe, rows, batch)
+            print(f"| {batch:,} | " + " | ".join(f"{ms[v]:.1f}" for v in VARIANTS)
+                  + f" | {ms['open vocabulary'] / ms['row per id']:.2f}x |", flush=True)
+        return
     print(f"open vocabulary benchmark: {backend}, {universe:,} ids, {rows:,} rows, "
           f"{chunks_n} chunks of {per_chunk:,}", flush=True)
     chunks = stream(universe, chunks_n, per_chunk)

@@ -27,10 +27,10 @@ from keras import ops
 
 from sparseopt import backend
 from sparseopt.dtypes import HALF_DTYPES, LARGEST
+from sparseopt.hashing import M1, M2, mix32
 
 
 _GOLDEN = 0x9E3779B9
-_M1, _M2 = 0x85EBCA6B, 0xC2B2AE35
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,16 +146,9 @@ def stochastic_round(values, dtype, bits):
     return ops.where(values < 0, -rounded, rounded)
 
 
-def mix32(x):
-    """murmur3's 32-bit finalizer on a uint32 tensor."""
-    x = ops.bitwise_xor(x, ops.right_shift(x, 16)) * np.uint32(_M1)
-    x = ops.bitwise_xor(x, ops.right_shift(x, 13)) * np.uint32(_M2)
-    return ops.bitwise_xor(x, ops.right_shift(x, 16))
-
-
 def _mix_int(x):
-    x = ((x ^ (x >> 16)) * _M1) & 0xFFFFFFFF
-    x = ((x ^ (x >> 13)) * _M2) & 0xFFFFFFFF
+    x = ((x ^ (x >> 16)) * M1) & 0xFFFFFFFF
+    x = ((x ^ (x >> 13)) * M2) & 0xFFFFFFFF
     return x ^ (x >> 16)
 
 

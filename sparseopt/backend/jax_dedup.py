@@ -10,15 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparseopt.hashing import mix32
+
 
 def _slot_hash(high, low):
     """A uint32 hash of key pairs (murmur3's finalizer), for the scratch table only."""
-    def mix(x):
-        x = (x ^ (x >> 16)) * np.uint32(0x85EBCA6B)
-        x = (x ^ (x >> 13)) * np.uint32(0xC2B2AE35)
-        return x ^ (x >> 16)
-    return mix(mix(high.astype(jnp.uint32) + np.uint32(0x5DEECE66)) * np.uint32(0x9E3779B9)
-               ^ low.astype(jnp.uint32))
+    return mix32(mix32(high.astype(jnp.uint32) + np.uint32(0x5DEECE66)) * np.uint32(0x9E3779B9)
+                 ^ low.astype(jnp.uint32))
 
 
 def first_occurrences(high, low, active):

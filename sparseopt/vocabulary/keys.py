@@ -16,7 +16,7 @@ backends. Inputs:
 import numpy as np
 from keras import ops
 
-from sparseopt.precision import mix32
+from sparseopt.hashing import mix32
 
 _GOLDEN = np.uint32(0x9E3779B9)
 
