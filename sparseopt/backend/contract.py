@@ -81,6 +81,10 @@ CONTRACT = {
     "all_replicas": "`all_replicas(record)`: every replica's `RowGrads` of the step, gathered "
                     "(unchanged outside replicas).",
     "sum_over_replicas": "`sum_over_replicas(value)`: a value summed over the replicas.",
+    "compiled": "`compiled(fn)`: `fn` (static shapes; Keras variables among its arguments) "
+                "run as one compiled program where the backend otherwise runs op by op (TF: "
+                "XLA, compiled per input shape); `fn` itself where the whole step is compiled "
+                "(JAX).",
     "gather_over_replicas": "`gather_over_replicas(values)`: `(every replica's [N_i, ...] "
                             "values in replica order, where this replica's start)` ("
                             "`(values, 0)` outside replicas).",

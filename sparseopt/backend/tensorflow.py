@@ -355,6 +355,28 @@ def _pooled_sum(table, ids, weight, dtype):
 _compiled_pooled_sum = tf.function(_pooled_sum, jit_compile=True, autograph=False)
 
 
+def compiled(fn):
+    """`fn` (static shapes; Keras variables among its arguments) as one XLA program.
+
+    TF runs a graph op by op (about 10 us each); XLA fuses a chain of small
+    ops into a few loops: an open vocabulary's `find` at batch 16,384 took
+    4.3 ms op by op and 1.2 ms compiled. Each variable argument is passed as
+    this replica's copy (`local`), read in place. Eager, or inside an XLA
+    cluster already: `fn` as it is.
+    """
+    program = _COMPILED.setdefault(fn, tf.function(fn, jit_compile=True, autograph=False))
+
+    def call(*args):
+        if tf.executing_eagerly() or compat.in_xla_context():
+            return fn(*args)
+        return program(*(local(a) if isinstance(a, keras.Variable) else a for a in args))
+
+    return call
+
+
+_COMPILED = {}
+
+
 def gather_from_resource(variable, ids):
     """Rows of a Keras variable by `ResourceGather`; the gradient is `IndexedSlices`."""
     return tf.gather(local(variable), ids)

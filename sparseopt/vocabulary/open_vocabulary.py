@@ -254,8 +254,8 @@ class OpenVocabulary:
         else:
             n, start = None, 0
         home = keys.home_rows(high, low, self.seed, self.capacity)
-        rows = id_map.find(self.keys, self.last_seen, high, low, home,
-                           self.probes, step, self.ttl)
+        rows = backend.compiled(id_map.find)(self.keys, self.last_seen, high, low, home,
+                                             self.probes, step, self.ttl)
         if not training:
             return rows, None
         missing = ops.less(rows, 0)
