@@ -165,7 +165,7 @@ class StepClock(keras.callbacks.Callback):
         self._last = now
 
 
-def step_times(x, y, universe, rows, batch, rounds=5, steps=10):
+def step_times(x, y, universe, rows, batch, rounds=8, steps=10):
     """Median ms per step of each variant, round-robin on the same batches (each step
     timed alone, so that `fit`'s own set-up counts in none)."""
     models = {v: build(v, universe, rows)[0] for v in VARIANTS}

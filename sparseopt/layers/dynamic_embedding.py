@@ -59,7 +59,7 @@ class DynamicEmbedding(SparseEmbedding):
     def __init__(self, capacity, output_dim, updater, embeddings_initializer="uniform",
                  combiner=None, storage=None, key_halves=False, probes=None, default_row="zeros",
                  admit_probability=1.0, eviction="lru", ttl=None, seed=0,
-                 admissions_per_step=4096, placement_rounds=2, admit_after=1,
+                 admissions_per_step=1024, placement_rounds=2, admit_after=1,
                  count_capacity=None, tombstone_log=None, lfu_half_life=1000, **kwargs):
         kwargs.pop("input_dim", None)
         if default_row not in DEFAULT_ROWS:

@@ -137,7 +137,7 @@ class OpenVocabulary:
     """
 
     def __init__(self, capacity, probes=None, admit_probability=1.0, eviction="lru", ttl=None,
-                 seed=0, admissions_per_step=4096, placement_rounds=2, admit_after=1,
+                 seed=0, admissions_per_step=1024, placement_rounds=2, admit_after=1,
                  count_capacity=None, tombstone_log=None, lfu_half_life=1000):
         probes = min(DEFAULT_PROBES, int(capacity)) if probes is None else probes
         if not 1 <= int(probes) <= int(capacity):
