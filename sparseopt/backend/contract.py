@@ -85,9 +85,9 @@ CONTRACT = {
                 "run as one compiled program where the backend otherwise runs op by op (TF: "
                 "XLA, compiled per input shape); `fn` itself where the whole step is compiled "
                 "(JAX).",
-    "gather_over_replicas": "`gather_over_replicas(values)`: `(every replica's [N_i, ...] "
-                            "values in replica order, where this replica's start)` ("
-                            "`(values, 0)` outside replicas).",
+    "gather_over_replicas": "`gather_over_replicas(values)`: `([each of the arrays values "
+                            "(one first dimension N_i), every replica's in replica order], "
+                            "where this replica's start)` (`(values, 0)` outside replicas).",
     "replica_id": "`replica_id()`: the replica being traced (0 outside replicas).",
     # Traces and the loop.
     "outside_trace": "`outside_trace()`: a context that runs its block outside any trace, even "

@@ -251,7 +251,7 @@ def sum_over_replicas(value):
 
 
 def gather_over_replicas(values):
-    return values, 0
+    return list(values), 0
 
 
 def compiled(fn):

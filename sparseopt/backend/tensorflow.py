@@ -239,16 +239,18 @@ def all_replicas(record):
 
 
 def gather_over_replicas(values):
-    """`(every replica's values concatenated in replica order, this replica's start)`.
+    """`([each of values, every replica's concatenated in replica order], this
+    replica's start)`.
 
-    Outside a step with several replicas: `(values, 0)`. Replicas may hold
-    different numbers of entries (a batch that does not split evenly).
+    `values`: arrays with the same first dimension. Outside a step with
+    several replicas: `(values, 0)`. Replicas may hold different numbers of
+    entries (a batch that does not split evenly).
     """
     context = _replica_context()
     if context is None:
-        return values, 0
-    start = _start(context, tf.shape(values, out_type=tf.int32)[:1])
-    return context.all_gather(values, axis=0), start
+        return list(values), 0
+    start = _start(context, tf.shape(values[0], out_type=tf.int32)[:1])
+    return [context.all_gather(v, axis=0) for v in values], start
 
 
 def _start(context, size):

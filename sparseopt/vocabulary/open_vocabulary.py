@@ -250,7 +250,7 @@ class OpenVocabulary:
             # replica order (the global batch's), so that every copy of the map
             # stays the same, that of one device at the global batch.
             n = ops.shape(high)[0]
-            (high, low), start = self._all_replicas(high, low)
+            (high, low), start = backend.gather_over_replicas((high, low))
         else:
             n, start = None, 0
         home = keys.home_rows(high, low, self.seed, self.capacity)
@@ -275,12 +275,6 @@ class OpenVocabulary:
         if not isinstance(start, int):  # this replica's own ids' rows
             rows = ops.slice(rows, ops.expand_dims(start, 0), (n,))
         return rows, proposals
-
-    @staticmethod
-    def _all_replicas(high, low):
-        """`((high, low) of every replica, this replica's start)` (`start` is 0 alone)."""
-        (high, start), (low, _) = (backend.gather_over_replicas(x) for x in (high, low))
-        return (high, low), start
 
     def _propose(self, high, low, missing, step):
         n = ops.shape(high)[0]
