@@ -56,6 +56,15 @@ def rows_like(table, ndim):
                                            layout.device_mesh)
 
 
+def row_parts(layout):
+    """How many parts a `TensorLayout` splits its first dimension into (1: none)."""
+    if layout is None or layout.axes[0] is None:
+        return 1
+    names = layout.axes[0] if isinstance(layout.axes[0], (tuple, list)) else (layout.axes[0],)
+    sizes = dict(zip(layout.device_mesh.axis_names, layout.device_mesh.shape))
+    return math.prod(sizes[n] for n in names)
+
+
 def replicated_beside(table, ndim):
     """A replicated layout for an `ndim`-D array on `table`'s device mesh, or None.
 

@@ -63,14 +63,17 @@ class RowGrads:
         """Several records of one table (or a group's tables) as one, in order."""
         if len(records) == 1:
             return records[0]
-        if any(r.changed is not None for r in records):
+        changed = [r.changed for r in records if r.changed is not None]
+        if len(changed) > 1:
+            # Each training call of an open vocabulary chooses rows for its new
+            # ids on its own: two calls could give one row to two ids.
             raise ValueError(
-                f"An open-vocabulary table was looked up {len(records)} times in one step; "
-                "its map admits ids once per step. Look all of a step's ids up in one call "
-                "(concatenate them).")
+                f"An open-vocabulary table was called {len(changed)} times in one training "
+                "step; its map admits ids once per step. Pass all of the step's features "
+                "in one call (`layer([ids_a, ids_b])` returns one output per feature).")
         return RowGrads(ops.concatenate([r.ids for r in records], axis=0),
                         concatenate([r.grads for r in records]),
-                        sum(r.calls for r in records))
+                        sum(r.calls for r in records), changed[0] if changed else None)
 
 
 class Distinct(NamedTuple):

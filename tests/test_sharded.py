@@ -278,7 +278,7 @@ def test_what_moves_and_scratch_memory_do_not_grow_with_the_vocabulary(runs, job
 def test_an_open_vocabulary_splits_its_map_with_the_rows_and_trains_like_one_device(
         runs, layout):
     """A row-sharded `DynamicEmbedding`: the map's per-row arrays (keys, last seen,
-    LFU counts) are split like the table; the map, its totals and held ids are one
+    LFU counts) and the sightings map are split like the table; the map, its totals and held ids are one
     device's bit for bit, the table and its state to float rounding; and what the step
     moves between devices is the same at 8x and 64x the capacity (never the map)."""
     got = np.load(os.path.join(runs, f"{layout}_vocabulary.npz"))
@@ -303,6 +303,12 @@ def test_an_open_vocabulary_splits_its_map_with_the_rows_and_trains_like_one_dev
     assert shapes["dyn/vocabulary_keys"] == [[rows, 2]]
     assert shapes["dyn/vocabulary_last_seen"] == [[rows]]
     assert shapes["dyn/vocabulary_frequency"] == [[rows]]
+    # The sightings map (`count_capacity` = capacity entries here) splits with them.
+    assert shapes["dyn/vocabulary_sighting_keys"] == [[rows, 2]]
+    assert shapes["dyn/vocabulary_sightings"] == [[rows]]
+    assert shapes["dyn/vocabulary_sighting_last_seen"] == [[rows]]
+    assert "'dyn_counts'" in report["uneven_counts"]
+    assert "`count_capacity` to a multiple of" in report["uneven_counts"]
     assert "'dyn_default'" in report["trained_default"]
     assert "default_row='zeros'" in report["trained_default"]
     assert report["collectives_8x"] and report["collectives_64x"] == report["collectives_8x"]

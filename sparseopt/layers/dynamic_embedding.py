@@ -13,6 +13,12 @@ from sparseopt.vocabulary.open_vocabulary import OpenVocabulary
 DEFAULT_ROWS = ("zeros", "trained")
 
 
+def _is_shape(value):
+    """Whether `value` is one shape (a tuple of ints or None), not a structure of shapes."""
+    return isinstance(value, (tuple, list)) and all(
+        d is None or isinstance(d, int) for d in value)
+
+
 @keras.saving.register_keras_serializable(package="sparseopt")
 class DynamicEmbedding(SparseEmbedding):
     """An embedding table for an open vocabulary: ids of any value, `capacity` rows.
@@ -29,6 +35,12 @@ class DynamicEmbedding(SparseEmbedding):
     evicts nothing. See docs/open_vocabularies.md.
 
     Train with `sparseopt.DispatchOptimizer` (the layer declares its updater).
+
+    Call it once per step: on one tensor of ids, or on a list or dict of
+    them (features sharing the table, each of its own shape), which returns
+    one output per feature in the same structure. A training call admits
+    ids once, over all of its features; a second training call in one step
+    is refused (two calls could give one row to two ids).
 
     Args:
         capacity: the table's rows: at most this many ids hold a row at once.
@@ -106,6 +118,12 @@ class DynamicEmbedding(SparseEmbedding):
             # State, not a weight: written by the optimizer, never trained.
             return layer_state(self, name, dtype, True, shape=shape, initializer=init)
         layout = distribution.rows_like(self.embeddings, len(shape)) if rows else None
+        parts = distribution.row_parts(layout)
+        if rows and shape[0] % parts:  # (only the sightings map has a size of its own)
+            raise ValueError(
+                f"DynamicEmbedding '{self.name}': its {name} ({shape[0]} entries) is split "
+                f"with the table's rows over {parts} devices, which must divide it evenly: "
+                f"set `count_capacity` to a multiple of {parts}.")
         if layout is None:
             return self.add_weight(shape=shape, initializer=init, dtype=dtype,
                                    trainable=False, name=name)
@@ -118,29 +136,48 @@ class DynamicEmbedding(SparseEmbedding):
         return variable
 
     def call(self, ids, training=None):
-        high, low = keys_lib.halves(ids, self.key_halves)
+        # Every feature's ids meet the map together: one step's admissions
+        # are chosen once, over all of them (a table shared by features).
+        features = keras.tree.flatten(ids)
+        parts = [keys_lib.halves(f, self.key_halves) for f in features]
+        sizes = [ops.shape(high)[0] for high, _ in parts]
+        high = ops.concatenate([h for h, _ in parts], axis=0) if len(parts) > 1 else parts[0][0]
+        low = ops.concatenate([lo for _, lo in parts], axis=0) if len(parts) > 1 else parts[0][1]
         rows, proposals = self.vocabulary.rows_for(high, low, bool(training))
-        rows = ops.reshape(rows, keys_lib.key_shape(ids, self.key_halves))
         if self.default_row == "trained":
             rows = ops.where(ops.less(rows, 0), self._capacity, rows)
-        if self.combiner is None:
-            return self._lookup(rows, changed=proposals)
-        return self._lookup.pooled(rows, self.combiner, changed=proposals)
+        outputs, start = [], 0
+        for i, (feature, size) in enumerate(zip(features, sizes)):
+            part = rows if len(features) == 1 else ops.slice(rows, (start,), (size,))
+            start = start + size
+            part = ops.reshape(part, keys_lib.key_shape(feature, self.key_halves))
+            # The step's choices travel with one feature's row gradients.
+            changed = proposals if i == 0 else None
+            outputs.append(self._lookup(part, changed=changed) if self.combiner is None
+                           else self._lookup.pooled(part, self.combiner, changed=changed))
+        return keras.tree.pack_sequence_as(ids, outputs)
 
     def compute_output_shape(self, input_shape):
-        shape = tuple(input_shape[:-1]) if self.key_halves else tuple(input_shape)
-        return super().compute_output_shape(shape)
+        def one(shape):
+            shape = tuple(shape[:-1]) if self.key_halves else tuple(shape)
+            return SparseEmbedding.compute_output_shape(self, shape)
+        if keras.tree.is_nested(input_shape) and not _is_shape(input_shape):
+            return keras.tree.map_shape_structure(one, input_shape)
+        return one(input_shape)
 
     def compute_output_spec(self, ids, training=None):
-        if (not self.key_halves and "int64" in str(ids.dtype)
-                and not backend.has_int64()):
-            # JAX would keep each id's low half: distinct ids would become one.
-            raise ValueError(
-                f"DynamicEmbedding '{self.name}': int64 ids on JAX without x64 would be "
-                "truncated to their low 32 bits, so distinct ids would share a row. Feed "
-                "`sparseopt.vocabulary.split_int64(ids)` with `key_halves=True` (input "
-                "`[..., 2]` int32), or enable `jax_enable_x64`.")
-        return keras.KerasTensor(self.compute_output_shape(ids.shape), dtype=self.compute_dtype)
+        for feature in keras.tree.flatten(ids):
+            if (not self.key_halves and "int64" in str(feature.dtype)
+                    and not backend.has_int64()):
+                # JAX would keep each id's low half: distinct ids would become one.
+                raise ValueError(
+                    f"DynamicEmbedding '{self.name}': int64 ids on JAX without x64 would be "
+                    "truncated to their low 32 bits, so distinct ids would share a row. Feed "
+                    "`sparseopt.vocabulary.split_int64(ids)` with `key_halves=True` (input "
+                    "`[..., 2]` int32), or enable `jax_enable_x64`.")
+        return keras.tree.map_structure(
+            lambda f: keras.KerasTensor(self.compute_output_shape(f.shape),
+                                        dtype=self.compute_dtype), ids)
 
     def save_own_variables(self, store):
         """The table, then the map (`OpenVocabulary.variables`)."""

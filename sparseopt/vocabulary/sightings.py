@@ -32,10 +32,12 @@ class SightingCounts:
     def build(self, add_state):
         """Creates the variables (`add_state` as for `OpenVocabulary.build`)."""
         c = self.capacity
-        self.keys = add_state("vocabulary_sighting_keys", (c, 2), "int32", 0, False)
-        self.counts = add_state("vocabulary_sightings", (c,), "int32", 0, False)
+        # Split like the table's rows where it is (each device holds its part
+        # of the entries; an id's entry is placed by its hash, like its row).
+        self.keys = add_state("vocabulary_sighting_keys", (c, 2), "int32", 0, False, rows=True)
+        self.counts = add_state("vocabulary_sightings", (c,), "int32", 0, False, rows=True)
         self.last_seen = add_state("vocabulary_sighting_last_seen", (c,), "int32",
-                                   id_map.EMPTY, False)
+                                   id_map.EMPTY, False, rows=True)
 
     @property
     def variables(self):

@@ -366,7 +366,8 @@ def vocabulary_model(capacity=VOCABULARY_CAPACITY):
     keras.utils.set_random_seed(7)
     ids = keras.Input((3,), dtype="int32")
     # LFU (a per-row count split with the map) and admission after 2 sightings
-    # (a replicated sightings map); placement contests and evictions every step.
+    # (a sightings map, split with the rows too); placement contests and evictions
+    # every step.
     table = sparseopt.layers.DynamicEmbedding(
         capacity, 8, sparseopt.updaters.Adagrad(0.1), probes=4, eviction="lfu",
         lfu_half_life=3, admit_after=2, admissions_per_step=64, name="dyn")
@@ -407,6 +408,13 @@ def run_vocabulary(layout, out):
             report["trained_default"] = "built"
         except ValueError as e:
             report["trained_default"] = str(e)
+        try:  # a sightings map that cannot split with the rows: refused at build
+            sparseopt.layers.DynamicEmbedding(256, 8, sparseopt.updaters.SGD(0.1),
+                                              admit_after=2, count_capacity=102,
+                                              name="dyn_counts").build((None, 3))
+            report["uneven_counts"] = "built"
+        except ValueError as e:
+            report["uneven_counts"] = str(e)
     if layout != "single":  # what moves must not grow with the capacity
         # (From 8x: below, XLA gathers the whole map, smaller than a batch's windows.)
         for scale in (8, 64):
