@@ -311,6 +311,17 @@ def test_an_open_vocabulary_splits_its_map_with_the_rows_and_trains_like_one_dev
     assert "`count_capacity` to a multiple of" in report["uneven_counts"]
     assert "'dyn_default'" in report["trained_default"]
     assert "default_row='zeros'" in report["trained_default"]
+    # Saved after the first epoch here and loaded on one device for the second:
+    # one device's run (the map is layout-free: an id's home row is its hash).
+    resharded = np.load(os.path.join(runs, f"{layout}_vocabulary_resharded.npz"))
+    assert report["resharded_stats"] == reports["single"]["stats"]
+    assert sorted(resharded.files) == sorted(want.files)
+    for key in want.files:
+        if np.issubdtype(want[key].dtype, np.integer) or "vocabulary_" in key:
+            np.testing.assert_array_equal(resharded[key], want[key], err_msg=key)
+        else:
+            np.testing.assert_allclose(resharded[key], want[key], rtol=1e-5, atol=1e-6,
+                                       err_msg=key)
     assert report["collectives_8x"] and report["collectives_64x"] == report["collectives_8x"]
     # (The map's arrays at 8x the capacity are 8 KB to 16 KB.)
     assert max(nbytes for _, _, nbytes in report["collectives_64x"]) < 8 * 1024

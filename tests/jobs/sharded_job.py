@@ -415,6 +415,23 @@ def run_vocabulary(layout, out):
             report["uneven_counts"] = "built"
         except ValueError as e:
             report["uneven_counts"] = str(e)
+    if layout != "single":  # resharding: an epoch here, saved, the next on one device
+        keras.backend.clear_session(free_memory=False)
+        keras.distribution.set_distribution(distribution(layout))
+        model = vocabulary_model()
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        path = os.path.join(out, f"{layout}_vocabulary.keras")
+        model.save(path)
+        keras.backend.clear_session(free_memory=False)
+        keras.distribution.set_distribution(None)
+        model = keras.saving.load_model(path)
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        layer = model.get_layer("dyn")
+        resharded = {f"w:{v.path}": to_numpy(v.value) for v in layer.weights}
+        resharded.update({f"opt:{v.path}": to_numpy(v.value) for v in
+                          model.optimizer.table_trainer(layer.embeddings).saved_variables})
+        np.savez(os.path.join(out, f"{layout}_vocabulary_resharded.npz"), **resharded)
+        report["resharded_stats"] = layer.vocabulary_stats()
     if layout != "single":  # what moves must not grow with the capacity
         # (From 8x: below, XLA gathers the whole map, smaller than a batch's windows.)
         for scale in (8, 64):
