@@ -51,7 +51,9 @@ MEMORY_TABLES = {"sparseopt-sgd": 4, "sparseopt-adagrad": 5, "sparseopt-rowwise_
                  "sparseopt-adam": 6, "sparseopt-partial_rowwise_adam": 5,
                  "sparseopt-laprop": 6, "sparseopt-frequency_aware_adagrad": 6,
                  "sparseopt-adam_options": 6, "sparseopt-sgd_momentum_dense": 5,
-                 "sparseopt-adam_ema": 7, "fbgemm-sgd": 1.2,
+                 "sparseopt-adam_ema": 7, "fbgemm-sgd": 1.2, "sparseopt-rmsprop": 5,
+                 "sparseopt-adamax": 6, "sparseopt-nadam": 6, "sparseopt-lion": 5,
+                 "sparseopt-lamb": 6,
                  "sparseopt-ftrl": 6, "keras-adagrad": 6, "keras-adam": 7,
                  "fbgemm-rowwise_adagrad": 1.2, "fbgemm-adagrad": 2.2}
 PROCESS_GB = {"jax": 1.0, "tensorflow": 1.2, "torch": 0.6}
@@ -89,7 +91,12 @@ def _updater(name):
                                            max_norm=10.0),
             "sgd_momentum_dense": lambda: u.SGD(TABLE_LR, momentum=0.9, weight_decay=1e-4,
                                                 lazy=False),
-            "adam_ema": lambda: u.Adam(TABLE_LR, ema_momentum=0.99)}[name]()
+            "adam_ema": lambda: u.Adam(TABLE_LR, ema_momentum=0.99),
+            "rmsprop": lambda: u.RMSprop(TABLE_LR),
+            "adamax": lambda: u.Adamax(TABLE_LR),
+            "nadam": lambda: u.Nadam(TABLE_LR),
+            "lion": lambda: u.Lion(TABLE_LR / 10),  # (Lion's steps are all lr: smaller)
+            "lamb": lambda: u.Lamb(TABLE_LR)}[name]()
 
 
 def build_keras(peer, rows, batch):

@@ -24,7 +24,7 @@ import run
 
 UPDATERS = ["sgd", "sgd_momentum", "adagrad", "rowwise_adagrad", "adagrad_momentum", "adam",
             "partial_rowwise_adam", "laprop", "frequency_aware_adagrad", "ftrl", "adam_options",
-            "sgd_momentum_dense", "adam_ema"]
+            "sgd_momentum_dense", "adam_ema", "rmsprop", "adamax", "nadam", "lion", "lamb"]
 LABELS = {"sgd": "SGD", "sgd_momentum": "SGD(momentum=0.9)", "adagrad": "Adagrad",
           "rowwise_adagrad": "RowwiseAdagrad", "adagrad_momentum": "AdagradMomentum(0.9)",
           "adam": "Adam", "partial_rowwise_adam": "PartialRowwiseAdam", "laprop": "LaProp",
@@ -32,7 +32,8 @@ LABELS = {"sgd": "SGD", "sgd_momentum": "SGD(momentum=0.9)", "adagrad": "Adagrad
           "ftrl": "Ftrl",
           "adam_options": "Adam + weight_decay, clipnorm, max_norm",
           "sgd_momentum_dense": "SGD(momentum=0.9, weight_decay, lazy=False)",
-          "adam_ema": "Adam(ema_momentum=0.99)"}
+          "adam_ema": "Adam(ema_momentum=0.99)", "rmsprop": "RMSprop", "adamax": "Adamax",
+          "nadam": "Nadam", "lion": "Lion", "lamb": "Lamb"}
 PEERS = {"jax": [f"sparseopt-{u}" for u in UPDATERS] + ["keras-adam"],
          "tensorflow": [f"sparseopt-{u}" for u in UPDATERS] + ["keras-adam"],
          "torch": ["fbgemm-sgd", "fbgemm-adagrad", "fbgemm-rowwise_adagrad"]}

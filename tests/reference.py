@@ -90,6 +90,63 @@ def ftrl(w, state, g, lr, cfg, t):
     return w2, {"accumulator": n2, "linear": z2}
 
 
+def rmsprop(w, state, g, lr, cfg, t):
+    rho, mu, eps = cfg.get("rho", 0.9), cfg.get("momentum", 0.0), cfg.get("epsilon", 1e-7)
+    v = rho * state["velocity"] + (1 - rho) * g * g
+    out = {"velocity": v}
+    var = v
+    if cfg.get("centered", False):
+        a = rho * state["average_gradient"] + (1 - rho) * g
+        out["average_gradient"] = a
+        var = v - a * a
+    s = lr * g / np.sqrt(var + eps)
+    if not mu:
+        return w - s, out
+    m = mu * state["momentum"] + s
+    return w - m, {**out, "momentum": m}
+
+
+def adamax(w, state, g, lr, cfg, t):
+    b1, b2, eps = cfg.get("beta_1", 0.9), cfg.get("beta_2", 0.999), cfg.get("epsilon", 1e-7)
+    m = b1 * state["momentum"] + (1 - b1) * g
+    u = np.maximum(b2 * state["norm"], np.abs(g))
+    return w - lr / (1 - b1 ** t) * m / (u + eps), {"momentum": m, "norm": u}
+
+
+def nadam(w, state, g, lr, cfg, t):
+    b1, b2, eps = cfg.get("beta_1", 0.9), cfg.get("beta_2", 0.999), cfg.get("epsilon", 1e-7)
+
+    def u(k):  # Keras' momentum schedule
+        return b1 * (1 - 0.5 * 0.96 ** k)
+
+    product = np.prod([u(k) for k in range(1, t + 1)])  # u_1 ... u_t, from scratch
+    m = b1 * state["momentum"] + (1 - b1) * g
+    v = b2 * state["velocity"] + (1 - b2) * g * g
+    m_hat = u(t + 1) * m / (1 - product * u(t + 1)) + (1 - u(t)) * g / (1 - product)
+    w = w - lr * m_hat / (np.sqrt(v / (1 - b2 ** t)) + eps)
+    return w, {"momentum": m, "velocity": v, "u_product": np.asarray(product)}
+
+
+def lion(w, state, g, lr, cfg, t):
+    b1, b2 = cfg.get("beta_1", 0.9), cfg.get("beta_2", 0.99)
+    m = state["momentum"]
+    return w - lr * np.sign(b1 * m + (1 - b1) * g), {"momentum": b2 * m + (1 - b2) * g}
+
+
+def lamb(w, state, g, lr, cfg, t):
+    """The trust ratio per row (each row as Keras' Lamb treats a whole variable)."""
+    b1, b2, eps = cfg.get("beta_1", 0.9), cfg.get("beta_2", 0.999), cfg.get("epsilon", 1e-7)
+    m = b1 * state["momentum"] + (1 - b1) * g
+    v = b2 * state["velocity"] + (1 - b2) * g * g
+    r = (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps)
+    out = w.copy()
+    for i in range(w.shape[0]):
+        wn, rn = np.linalg.norm(w[i]), np.linalg.norm(r[i])
+        ratio = wn / rn if wn > 0 and rn > 0 else 1.0
+        out[i] = w[i] - lr * ratio * r[i]
+    return out, {"momentum": m, "velocity": v}
+
+
 # `{rule: {slot: (config key, default)}}`: the slots that do not start at zero.
 STARTS = {
     "Adagrad": {"accumulator": ("initial_accumulator_value", 0.1)},
@@ -97,12 +154,14 @@ STARTS = {
     "Ftrl": {"accumulator": ("initial_accumulator_value", 0.1)},
     "FrequencyAwareAdagrad": {"accumulator": ("initial_accumulator_value", 0.1)},
     "AdagradMomentum": {"accumulator": ("initial_accumulator_value", 0.0)},
+    "Nadam": {"u_product": (None, 1.0)},
 }
 
 RULES = {"SGD": sgd, "Adagrad": adagrad, "RowwiseAdagrad": rowwise_adagrad, "Ftrl": ftrl,
          "Adam": adam, "PartialRowwiseAdam": partial_rowwise_adam,
          "AdagradMomentum": adagrad_momentum, "LaProp": laprop,
-         "FrequencyAwareAdagrad": frequency_aware_adagrad}
+         "FrequencyAwareAdagrad": frequency_aware_adagrad, "RMSprop": rmsprop,
+         "Adamax": adamax, "Nadam": nadam, "Lion": lion, "Lamb": lamb}
 
 
 def initial_state(name, shape, cfg):
@@ -157,7 +216,10 @@ def sparse_step(name, table, state, ids, grads, lr, cfg, step=1):
     summed = np.zeros((uniq.size, table.shape[1]))
     np.add.at(summed, np.searchsorted(uniq, ids[valid]), grads[valid])
     w = table[uniq]
-    own = {k: v[uniq] for k, v in state.items() if k not in ("last_step", "ema_offset")}
+    # Whole-table state (`[D]` or a scalar) is the rule's to read and replace whole.
+    whole = {k for k, v in state.items() if v.ndim == 0 or v.shape[0] != table.shape[0]}
+    own = {k: (v if k in whole else v[uniq]) for k, v in state.items()
+           if k not in ("last_step", "ema_offset")}
     if "last_step" in state:
         missed = step - 1 - state["last_step"][uniq]
         if cfg.get("lazy") is False:
@@ -182,7 +244,10 @@ def sparse_step(name, table, state, ids, grads, lr, cfg, step=1):
         rows = _row_scale(rows, cfg["max_norm"])
     table[uniq] = rows
     for k in st:
-        state[k][uniq] = st[k]
+        if k in whole:
+            state[k] = np.asarray(st[k], np.float64)
+        else:
+            state[k][uniq] = st[k]
     if "ema_offset" in state:
         # The average of an unchanged row moves toward it by m each step:
         # average - row decays by m^missed; then this step's change.

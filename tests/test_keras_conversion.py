@@ -13,7 +13,7 @@ import pytest
 import sparseopt
 from sparseopt.updaters import from_keras_optimizer, to_keras_optimizer
 from tests.conftest import to_np
-from tests.helpers import registered_cases
+from tests.helpers import dot_loss, registered_cases, table_model
 
 SCHEDULE = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
 PAIRS = {
@@ -34,8 +34,20 @@ PAIRS = {
                                            l1_regularization_strength=0.01,
                                            l2_regularization_strength=0.02, beta=0.5),
              sparseopt.updaters.Ftrl),
+    "rmsprop": (lambda: keras.optimizers.RMSprop(0.01, rho=0.8, momentum=0.5, epsilon=1e-4),
+                sparseopt.updaters.RMSprop),
+    "rmsprop_centered": (lambda: keras.optimizers.RMSprop(0.01, centered=True),
+                         sparseopt.updaters.RMSprop),
+    "adamax": (lambda: keras.optimizers.Adamax(0.02, beta_1=0.8, beta_2=0.95, epsilon=1e-4),
+               sparseopt.updaters.Adamax),
+    "nadam": (lambda: keras.optimizers.Nadam(0.02, beta_1=0.8, beta_2=0.95, epsilon=1e-4),
+              sparseopt.updaters.Nadam),
+    "lion": (lambda: keras.optimizers.Lion(0.01, beta_1=0.8, beta_2=0.95),
+             sparseopt.updaters.Lion),
+    "lamb": (lambda: keras.optimizers.Lamb(0.02, beta_1=0.8, beta_2=0.95, epsilon=1e-4),
+             sparseopt.updaters.Lamb),
 }
-HYPER = ["learning_rate", "initial_accumulator_value", "epsilon", "learning_rate_power",
+HYPER = ["learning_rate", "rho", "centered", "initial_accumulator_value", "epsilon", "learning_rate_power",
          "l1_regularization_strength", "l2_regularization_strength", "beta", "momentum",
          "nesterov", "beta_1", "beta_2", "clipvalue", "use_ema", "ema_momentum"]
 
@@ -73,25 +85,34 @@ def test_through_keras_rs_table_config_serialization(case):
 
 
 @pytest.mark.parametrize("case", ["sgd", "adagrad", "ftrl", "sgd_schedule", "sgd_momentum",
-                                  "sgd_nesterov", "sgd_clipvalue", "adam"])
+                                  "sgd_nesterov", "sgd_clipvalue", "adam", "rmsprop",
+                                  "rmsprop_centered", "adamax", "nadam", "lion", "lamb"])
 def test_converted_rule_computes_what_the_keras_optimizer_computes(case):
     """Every row touched with a nonzero gradient: dense Keras == sparse rule
-    (for momentum and Adam too: no row misses a step)."""
+    (for momentum and Adam too: no row misses a step). Through `fit`, so that
+    whole-table state (Nadam's momentum product) advances as in training. Lamb
+    takes its trust ratio per row: Keras' Lamb on each row as its own variable."""
     optimizer = PAIRS[case][0]()
     updater = from_keras_optimizer(optimizer)
     rng = np.random.default_rng(0)
     w0 = rng.normal(size=(6, 3)).astype("float32")
-    var = keras.Variable(w0)
-    optimizer.build([var])
-    rows = keras.ops.convert_to_tensor(w0)
-    state = {s.name: keras.ops.full(s.shape(w0.shape), s.initial_value) for s in updater.slots}
-    for step in range(4):
+    per_row = case == "lamb"
+    variables = ([keras.Variable(w0[i:i + 1]) for i in range(6)] if per_row
+                 else [keras.Variable(w0)])
+    optimizer.build(variables)
+    model, emb = table_model(6, 3, 6, updater, init="zeros")
+    emb.embeddings.assign(w0)
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)),
+                  loss=dot_loss)
+    ids = np.arange(6, dtype="int32")[None]
+    for _ in range(4):
         g = rng.normal(size=w0.shape).astype("float32")
-        lr = updater.learning_rate_at(step)
-        rows, state = updater.apply_rule(rows, state, keras.ops.convert_to_tensor(g), lr,
-                                         step + 1)
-        optimizer.apply([keras.ops.convert_to_tensor(g)], [var])
-    np.testing.assert_allclose(to_np(rows), to_np(var), rtol=1e-5, atol=1e-6)
+        model.train_on_batch(ids, g[None])  # dot_loss: the row gradients are g
+        grads = [keras.ops.convert_to_tensor(g[i:i + 1]) for i in range(6)] if per_row else [
+            keras.ops.convert_to_tensor(g)]
+        optimizer.apply(grads, variables)
+    want = np.concatenate([to_np(v) for v in variables])
+    np.testing.assert_allclose(to_np(emb.embeddings), want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name,updater_class", [("sgd", sparseopt.updaters.SGD),
@@ -106,9 +127,14 @@ def test_optimizer_names_convert_with_keras_defaults(name, updater_class):
 
 
 REFUSED_FROM_KERAS = {
-    "rmsprop": (lambda: keras.optimizers.RMSprop(),
-                r"RMSprop for table 't'.*SGD, Adagrad, Adam or Ftrl"),
-    "rmsprop_by_name": (lambda: "rmsprop", r"RMSprop.*no sparse, per-row equivalent"),
+    "adadelta": (lambda: keras.optimizers.Adadelta(),
+                 r"Adadelta for table 't' has no sparse.*nearest rule is "
+                 r"keras.optimizers.RMSprop \(sparseopt.updaters.RMSprop\)"),
+    "adadelta_by_name": (lambda: "adadelta", r"Adadelta.*no sparse, per-row equivalent"),
+    "adafactor": (lambda: keras.optimizers.Adafactor(), r"Adafactor.*nearest.*Adam"),
+    "muon": (lambda: keras.optimizers.Muon(), r"Muon.*whole 2-D update.*nearest.*Adam"),
+    "schedule_free": (lambda: keras.optimizers.ScheduleFreeAdamW(weight_decay=None),
+                      r"ScheduleFreeAdamW.*every row every step.*nearest.*Adam"),
     "amsgrad": (lambda: keras.optimizers.Adam(amsgrad=True), r"amsgrad=True.*table 't'"),
     "clipnorm": (lambda: keras.optimizers.Adagrad(clipnorm=1.0),
                  r"`clipnorm=1.0`.*updater's own `clipnorm`"),

@@ -11,21 +11,26 @@ import pkgutil
 from sparseopt.updaters.adagrad import Adagrad
 from sparseopt.updaters.adagrad_momentum import AdagradMomentum
 from sparseopt.updaters.adam import Adam
+from sparseopt.updaters.adamax import Adamax
 from sparseopt.updaters.base import SlotSpec, SparseCoreSpec, Updater, registry
 from sparseopt.updaters.ftrl import Ftrl
 from sparseopt.updaters.keras_conversion import (
     from_keras_optimizer, from_sparsecore_spec, to_keras_optimizer, to_sparsecore_spec)
 from sparseopt.updaters.frequency_aware_adagrad import FrequencyAwareAdagrad
+from sparseopt.updaters.lamb import Lamb
 from sparseopt.updaters.laprop import LaProp
+from sparseopt.updaters.lion import Lion
+from sparseopt.updaters.nadam import Nadam
 from sparseopt.updaters.partial_rowwise_adam import PartialRowwiseAdam
+from sparseopt.updaters.rmsprop import RMSprop
 from sparseopt.updaters.rowwise_adagrad import RowwiseAdagrad
 from sparseopt.updaters.sgd import SGD
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["Adagrad", "AdagradMomentum", "Adam", "FrequencyAwareAdagrad", "Ftrl", "LaProp",
-           "PartialRowwiseAdam",
+__all__ = ["Adagrad", "AdagradMomentum", "Adam", "Adamax", "FrequencyAwareAdagrad", "Ftrl",
+           "Lamb", "LaProp", "Lion", "Nadam", "PartialRowwiseAdam", "RMSprop",
            "RowwiseAdagrad", "SGD", "SlotSpec", "SparseCoreSpec", "Updater",
            "from_keras_optimizer", "from_sparsecore_spec", "registry", "to_keras_optimizer",
            "to_sparsecore_spec"]

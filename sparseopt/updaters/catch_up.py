@@ -119,7 +119,7 @@ def check(updater):
             f"{owner}(lazy=False): no exact catch-up for this rule (a row's state moves on "
             "steps without gradient in a way that has no closed form here). Use "
             "lazy=True (the default), or an updater with an exact one: SGD (with or "
-            "without momentum), Adagrad, RowwiseAdagrad, AdagradMomentum.")
+            "without momentum), Adagrad, RowwiseAdagrad, AdagradMomentum, RMSprop.")
     options = updater.options
     for name in ("clip_weight_min", "clip_weight_max", "max_norm"):
         if name in options:

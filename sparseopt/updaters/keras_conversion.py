@@ -1,8 +1,8 @@
 """Converting between sparseopt updaters and the Keras optimizers that name table rules.
 
 keras-rs' `TableConfig(optimizer=...)` names each table's rule with a Keras
-optimizer (SGD with or without momentum, Adagrad, Adam, FTRL; Adam is its
-default). These functions map such an optimizer to the sparseopt updater with
+optimizer (SGD with or without momentum, Adagrad, Adam, FTRL, and any other
+Keras optimizer; Adam is its default). These functions map such an optimizer to the sparseopt updater with
 the same rule and hyperparameters, and back. `clipvalue` carries over (on the
 summed row gradient it means what Keras means); settings with no sparse,
 per-row meaning are refused with what to change, never dropped.
@@ -27,6 +27,15 @@ _UNSUPPORTED_BASE = {
     "loss_scale_factor": "scale one table's loss (set it on the model's optimizer)",
     "gradient_accumulation_steps": "accumulate table-sized gradients",
 }
+# Keras optimizers with no per-row rule here: why, and the nearest that has one.
+_NEAREST = {
+    "Adadelta": ("its step is scaled by a running average of its own past updates, which "
+                 "no table rule keeps yet", "RMSprop"),
+    "Adafactor": ("its second moment is factored over the whole table (a column factor "
+                  "every row's step reads), not offered for tables yet", "Adam"),
+    "Muon": ("it orthogonalizes the whole 2-D update, every row at once", "Adam"),
+    "ScheduleFreeAdamW": ("its averaging moves every row every step", "Adam"),
+}
 # Options with the same meaning on a table's summed row gradients.
 _CARRIED_OVER = ("clipvalue",)
 
@@ -35,9 +44,9 @@ def from_keras_optimizer(optimizer, table=None):
     """The sparseopt updater with `optimizer`'s rule and hyperparameters.
 
     Args:
-        optimizer: a `keras.optimizers.SGD`, `Adagrad`, `Adam` or `Ftrl`
-            (instance, or name such as `"adagrad"`), as in keras-rs'
-            `TableConfig.optimizer`.
+        optimizer: a `keras.optimizers.SGD`, `Adagrad`, `Adam`, `Ftrl`,
+            `RMSprop`, `Adamax`, `Nadam`, `Lion` or `Lamb` (instance, or name
+            such as `"adagrad"`), as in keras-rs' `TableConfig.optimizer`.
         table: optional table name, for error messages.
 
     Returns:
@@ -46,12 +55,18 @@ def from_keras_optimizer(optimizer, table=None):
 
     Raises:
         ValueError: for an optimizer or a setting without a sparse equivalent
-            (RMSprop, AMSGrad, a whole-table `clipnorm`, dense weight decay,
-            EMA, ...).
+            (Adadelta, Adafactor, AMSGrad, a whole-table `clipnorm`, dense
+            weight decay, ...), naming the nearest rule that has one.
     """
     where = f" for table '{table}'" if table else ""
     optimizer = keras.optimizers.get(optimizer)
     config = optimizer.get_config()
+    name = type(optimizer).__name__
+    if name in _NEAREST:
+        why, nearest = _NEAREST[name]
+        raise ValueError(
+            f"sparseopt: {name}{where} has no sparse, per-row equivalent: {why}. The "
+            f"nearest rule is keras.optimizers.{nearest} (sparseopt.updaters.{nearest}).")
     for option, what in _UNSUPPORTED_BASE.items():
         value = config.get(option)
         if value not in (None, False, 0, 0.0):
@@ -69,12 +84,12 @@ def from_keras_optimizer(optimizer, table=None):
             if carried:
                 updater = entry.from_config({**updater.get_config(), **carried})
             return updater
-    # Simplest first (fewest state slots): "SGD, Adagrad, Adam or Ftrl".
+    # Simplest first (fewest state slots): "SGD, Lion, Adagrad, ...".
     known = sorted((e for e in registry(shipped_only=True).values() if e.keras_optimizer),
                    key=lambda e: (len(e().slots), e.__name__))
     names = [e.keras_optimizer.__name__ for e in known]
     raise ValueError(
-        f"sparseopt: {type(optimizer).__name__}{where} has no sparse, per-row "
+        f"sparseopt: {name}{where} has no sparse, per-row "
         f"equivalent here (sparseopt trains tables with {', '.join(registry(True))}). "
         f"Choose keras.optimizers.{', '.join(names[:-1])} or {names[-1]} for this table."
     )
@@ -87,10 +102,11 @@ def to_keras_optimizer(updater):
 
     Args:
         updater: a `sparseopt.updaters.Updater` whose entry has a Keras
-            equivalent (`SGD`, `Adagrad`, `Adam`, `Ftrl`).
+            equivalent (`SGD`, `Adagrad`, `Adam`, `Ftrl`, `RMSprop`, `Adamax`,
+            `Nadam`, `Lion`, `Lamb`).
 
     Returns:
-        A `keras.optimizers.SGD`, `Adagrad`, `Adam` or `Ftrl`.
+        The `keras.optimizers` optimizer of the same name.
 
     Raises:
         ValueError: for updaters Keras has no optimizer for (`RowwiseAdagrad`,

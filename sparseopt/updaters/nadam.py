@@ -1,0 +1,81 @@
+"""Lazy sparse Nadam, in the form of `keras.optimizers.Nadam`."""
+
+import keras
+from keras import ops
+
+from sparseopt.updaters.base import SlotSpec, Updater
+
+
+def momentum_schedule(beta_1, t):
+    """Nadam's momentum at step `t`: `beta_1 (1 - 0.5 * 0.96^t)` (Keras' form)."""
+    return beta_1 * (1.0 - 0.5 * ops.power(0.96, t))
+
+
+@keras.saving.register_keras_serializable(package="sparseopt")
+class Nadam(Updater):
+    """Lazy Nadam: Adam with Nesterov momentum and Keras' momentum schedule.
+
+    With `t` the optimizer's step (1-based, global), `u_t = beta_1 (1 - 0.5 * 0.96^t)`
+    and `P_t = u_1 ... u_t` (one number per table, `u_product`, advanced once
+    per step), on each touched row:
+
+        m <- beta_1 m + (1 - beta_1) g
+        v <- beta_2 v + (1 - beta_2) g^2
+        m_hat = u_{t+1} m / (1 - P_t u_{t+1}) + (1 - u_t) g / (1 - P_t)
+        w <- w - lr m_hat / (sqrt(v / (1 - beta_2^t)) + epsilon)
+
+    Keras' arithmetic on the touched rows; untouched rows and their moments
+    do not change (dense Nadam also decays and applies them). The product is
+    whole-table state: with it, `lazy=False` and `ema_momentum` are refused.
+
+    Args:
+        learning_rate: float or `LearningRateSchedule`.
+        beta_1: decay of the first moment, in `[0, 1)`.
+        beta_2: decay of the second moment, in `[0, 1)`.
+        epsilon: added to the root of `v`, `>= 0`.
+        name: optional name.
+        **options: options every updater takes (e.g. `clipvalue`).
+
+    Reference: Dozat, 2016, "Incorporating Nesterov Momentum into Adam".
+    """
+
+    keras_optimizer = keras.optimizers.Nadam
+    test_configs = {
+        "default": {},
+        "betas": {"beta_1": 0.5, "beta_2": 0.9, "epsilon": 1e-3},
+    }
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
+                 name=None, **options):
+        super().__init__(learning_rate, name=name, **options)
+        self.hyperparameter("beta_1", beta_1, lambda v: 0 <= v < 1, "in [0, 1)")
+        self.hyperparameter("beta_2", beta_2, lambda v: 0 <= v < 1, "in [0, 1)")
+        self.hyperparameter("epsilon", epsilon, lambda v: v >= 0, ">= 0")
+        self.slots = (SlotSpec("momentum"), SlotSpec("velocity"),
+                      SlotSpec("u_product", kind="table", initial_value=1.0))
+
+    def update_whole(self, state, sums, num_rows, step):
+        t = ops.cast(step, "float32")
+        return {"u_product": state["u_product"] * momentum_schedule(self.value("beta_1", step),
+                                                                    t)}
+
+    def update(self, rows, state, grads, learning_rate, step):
+        t = ops.cast(step, "float32")
+        b1, b2 = self.value("beta_1", step), self.value("beta_2", step)
+        u_t, u_next = momentum_schedule(b1, t), momentum_schedule(b1, t + 1)
+        product = state["u_product"]  # P_t: this step's, from `update_whole`
+        m = b1 * state["momentum"] + (1 - b1) * grads
+        v = b2 * state["velocity"] + (1 - b2) * ops.square(grads)
+        m_hat = u_next * m / (1 - product * u_next) + (1 - u_t) * grads / (1 - product)
+        v_hat = v / (1 - ops.power(b2, t))
+        delta = learning_rate * m_hat / (ops.sqrt(v_hat) + self.value("epsilon", step))
+        return rows - delta, {"momentum": m, "velocity": v}
+
+    def to_keras(self):
+        return keras.optimizers.Nadam(self.learning_rate, beta_1=self.beta_1,
+                                      beta_2=self.beta_2, epsilon=self.epsilon)
+
+    @classmethod
+    def from_keras(cls, learning_rate, config, where=""):
+        return cls(learning_rate, beta_1=config["beta_1"], beta_2=config["beta_2"],
+                   epsilon=config["epsilon"])
