@@ -147,6 +147,38 @@ def lamb(w, state, g, lr, cfg, t):
     return out, {"momentum": m, "velocity": v}
 
 
+def adafactor(w, state, g, lr, cfg, t):
+    """Keras' Adafactor arithmetic on the matrix of the step's rows (`w`, `g`)."""
+    e1, e2 = cfg.get("epsilon_1", 1e-30), cfg.get("epsilon_2", 1e-3)
+    threshold, b1 = cfg.get("clip_threshold", 1.0), cfg.get("beta_1", 0.0)
+    b = 1 - t ** cfg.get("beta_2_decay", -0.8)
+    regulated = g * g + e1
+    out = {}
+    if cfg.get("factored", True):
+        vr = b * state["vr"] + (1 - b) * regulated.mean(axis=1)
+        vc = b * state["vc"] + (1 - b) * regulated.mean(axis=0)
+        v = np.outer(vr / vr.mean(), vc)
+        out.update(vr=vr, vc=vc, row_mean=np.asarray(vr.mean()))
+    else:
+        v = b * state["v"] + (1 - b) * regulated
+        out["v"] = v
+    u = g / np.sqrt(v)
+
+    def rms(x):
+        return np.sqrt(np.mean(x * x))
+
+    scale = 1 / max(1.0, rms(u) / threshold)
+    if cfg.get("multiply_by_parameter_scale", True):
+        scale *= max(e2, rms(w))
+    out["scale"] = np.asarray(scale)
+    rate = min(lr, 1 / np.sqrt(t)) if cfg.get("relative_step", True) else lr
+    step = rate * scale * u
+    if b1:
+        step = b1 * state["momentum"] + (1 - b1) * step
+        out["momentum"] = step
+    return w - step, out
+
+
 # `{rule: {slot: (config key, default)}}`: the slots that do not start at zero.
 STARTS = {
     "Adagrad": {"accumulator": ("initial_accumulator_value", 0.1)},
@@ -155,13 +187,15 @@ STARTS = {
     "FrequencyAwareAdagrad": {"accumulator": ("initial_accumulator_value", 0.1)},
     "AdagradMomentum": {"accumulator": ("initial_accumulator_value", 0.0)},
     "Nadam": {"u_product": (None, 1.0)},
+    "Adafactor": {"row_mean": (None, 1.0)},
 }
 
 RULES = {"SGD": sgd, "Adagrad": adagrad, "RowwiseAdagrad": rowwise_adagrad, "Ftrl": ftrl,
          "Adam": adam, "PartialRowwiseAdam": partial_rowwise_adam,
          "AdagradMomentum": adagrad_momentum, "LaProp": laprop,
          "FrequencyAwareAdagrad": frequency_aware_adagrad, "RMSprop": rmsprop,
-         "Adamax": adamax, "Nadam": nadam, "Lion": lion, "Lamb": lamb}
+         "Adamax": adamax, "Nadam": nadam, "Lion": lion, "Lamb": lamb,
+         "Adafactor": adafactor}
 
 
 def initial_state(name, shape, cfg):

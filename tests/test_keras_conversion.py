@@ -131,7 +131,9 @@ REFUSED_FROM_KERAS = {
                  r"Adadelta for table 't' has no sparse.*nearest rule is "
                  r"keras.optimizers.RMSprop \(sparseopt.updaters.RMSprop\)"),
     "adadelta_by_name": (lambda: "adadelta", r"Adadelta.*no sparse, per-row equivalent"),
-    "adafactor": (lambda: keras.optimizers.Adafactor(), r"Adafactor.*nearest.*Adam"),
+    "adafactor": (lambda: keras.optimizers.Adafactor(),
+                  r"Adafactor.*every row of the table.*nearest rule is "
+                  r"sparseopt.updaters.Adafactor"),
     "muon": (lambda: keras.optimizers.Muon(), r"Muon.*whole 2-D update.*nearest.*Adam"),
     "schedule_free": (lambda: keras.optimizers.ScheduleFreeAdamW(weight_decay=None),
                       r"ScheduleFreeAdamW.*every row every step.*nearest.*Adam"),

@@ -138,9 +138,13 @@ STATE_BYTES = {
     "Nadam": lambda cfg, d: 8 * d,
     "Lion": lambda cfg, d: 4 * d,
     "Lamb": lambda cfg, d: 8 * d,
+    "Adafactor": lambda cfg, d: (4 if cfg.get("factored", True) else 4 * d)
+    + (4 * d if cfg.get("beta_1") else 0),
 }
 # Whole-table state, in bytes per table (whatever its rows).
-WHOLE_BYTES = {"Nadam": 4}
+WHOLE_BYTES = {"Nadam": lambda cfg, d: 4,
+               # vc, this step's row mean and scale; unfactored: the scale.
+               "Adafactor": lambda cfg, d: 4 * d + 8 if cfg.get("factored", True) else 4}
 
 
 def test_optimizer_state_is_the_documented_bytes_per_row():
@@ -162,7 +166,8 @@ def test_optimizer_state_is_the_documented_bytes_per_row():
         assert got == want * rows, (key, got / rows, want)
         whole = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in state
                     if not any(v is r for r in per_row))
-        assert whole == WHOLE_BYTES.get(entry.__name__, 0), (key, whole)
+        assert whole == WHOLE_BYTES.get(entry.__name__, lambda cfg, d: 0)(cfg, width), (
+            key, whole)
 
 
 @pytest.mark.parametrize("case", kinds(DEFAULTS + ["Ftrl:l1_l2_beta"],

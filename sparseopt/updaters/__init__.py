@@ -8,6 +8,7 @@ editing any list.
 import importlib
 import pkgutil
 
+from sparseopt.updaters.adafactor import Adafactor
 from sparseopt.updaters.adagrad import Adagrad
 from sparseopt.updaters.adagrad_momentum import AdagradMomentum
 from sparseopt.updaters.adam import Adam
@@ -29,7 +30,7 @@ from sparseopt.updaters.sgd import SGD
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["Adagrad", "AdagradMomentum", "Adam", "Adamax", "FrequencyAwareAdagrad", "Ftrl",
+__all__ = ["Adafactor", "Adagrad", "AdagradMomentum", "Adam", "Adamax", "FrequencyAwareAdagrad", "Ftrl",
            "Lamb", "LaProp", "Lion", "Nadam", "PartialRowwiseAdam", "RMSprop",
            "RowwiseAdagrad", "SGD", "SlotSpec", "SparseCoreSpec", "Updater",
            "from_keras_optimizer", "from_sparsecore_spec", "registry", "to_keras_optimizer",

@@ -28,13 +28,19 @@ _UNSUPPORTED_BASE = {
     "gradient_accumulation_steps": "accumulate table-sized gradients",
 }
 # Keras optimizers with no per-row rule here: why, and the nearest that has one.
+def _keras_and_ours(name):
+    return f"keras.optimizers.{name} (sparseopt.updaters.{name})"
+
+
 _NEAREST = {
     "Adadelta": ("its step is scaled by a running average of its own past updates, which "
-                 "no table rule keeps yet", "RMSprop"),
-    "Adafactor": ("its second moment is factored over the whole table (a column factor "
-                  "every row's step reads), not offered for tables yet", "Adam"),
-    "Muon": ("it orthogonalizes the whole 2-D update, every row at once", "Adam"),
-    "ScheduleFreeAdamW": ("its averaging moves every row every step", "Adam"),
+                 "no table rule keeps yet", _keras_and_ours("RMSprop")),
+    "Adafactor": ("its column factor, row mean and norms are taken over every row of the "
+                  "table each step", "sparseopt.updaters.Adafactor, which takes them over the "
+                  "step's rows"),
+    "Muon": ("it orthogonalizes the whole 2-D update, every row at once",
+             _keras_and_ours("Adam")),
+    "ScheduleFreeAdamW": ("its averaging moves every row every step", _keras_and_ours("Adam")),
 }
 # Options with the same meaning on a table's summed row gradients.
 _CARRIED_OVER = ("clipvalue",)
@@ -66,7 +72,7 @@ def from_keras_optimizer(optimizer, table=None):
         why, nearest = _NEAREST[name]
         raise ValueError(
             f"sparseopt: {name}{where} has no sparse, per-row equivalent: {why}. The "
-            f"nearest rule is keras.optimizers.{nearest} (sparseopt.updaters.{nearest}).")
+            f"nearest rule is {nearest}.")
     for option, what in _UNSUPPORTED_BASE.items():
         value = config.get(option)
         if value not in (None, False, 0, 0.0):
