@@ -681,17 +681,33 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         with backend.outside_trace():
             return trainer.moving_average(self._steps_done(), self.learning_rate_scale())
 
+    def table_swa_average(self, table):
+        """The stochastic weight average of a table whose updater has `swa_period` (a tensor).
+
+        Args:
+            table: the table variable or its path.
+        """
+        trainer = self.table_trainer(table)
+        if trainer.updater.swa is None:
+            raise ValueError(f"DispatchOptimizer '{self.name}': table '{trainer.name}' keeps "
+                             "no weight average; give its updater `swa_period`.")
+        with backend.outside_trace():
+            return trainer.swa_average(self._steps_done())
+
     def finalize_variable_values(self, var_list):
-        """Catches up every row, then gives `ema_momentum` tables their average (Keras' hook,
-        called at the end of `fit`)."""
+        """Catches up every row, then gives `ema_momentum` and `swa_period` tables their
+        average (Keras' hook, called at the end of `fit`)."""
         self.catch_up_tables()
         averaged = [t for t in self._trainers.values() if t.updater.ema_momentum is not None]
-        if averaged:
+        swa = [t for t in self._trainers.values() if t.updater.swa is not None]
+        if averaged or swa:
             steps_done = self._steps_done()
             with backend.outside_trace():
                 scale = self.learning_rate_scale()
                 for trainer in averaged:
                     trainer.use_moving_average(steps_done, scale)
+                for trainer in swa:
+                    trainer.use_swa_average(steps_done)
         for opt in self._dense_optimizers:
             opt.finalize_variable_values(
                 [v for v in var_list if self._route.get(self._var_key(v)) is opt]

@@ -289,6 +289,25 @@ class TableTrainer:
                           + ops.cast(offset.value, "float32"), steps_done, 0)
         offset.assign(ops.zeros(offset.shape, offset.dtype))
 
+    def swa_average(self, steps_done):
+        """The table's SWA average after `steps_done` steps (`swa_period` only), a tensor."""
+        start, period = self.updater.swa
+        return updaters.swa.table_average(
+            ops.cast(self.table.value, "float32"),
+            ops.cast(self.slots[updaters.swa.AVERAGE_SLOT].value, "float32"),
+            self.slots[updaters.swa.COUNT_SLOT].value, steps_done, start, period)
+
+    def use_swa_average(self, steps_done):
+        """Overwrites the table with its SWA average; every row's record then counts all
+        the snapshots taken (the rows are their averages from here on)."""
+        start, period = self.updater.swa
+        average = self.swa_average(steps_done)
+        self._write_whole(self.table, average, steps_done, 0)
+        self.slots[updaters.swa.AVERAGE_SLOT].assign(average)
+        count = self.slots[updaters.swa.COUNT_SLOT]
+        count.assign(ops.full(count.shape, updaters.swa.snapshots(steps_done, start, period),
+                              count.dtype))
+
     def skipped_steps(self):
         return int(ops.convert_to_numpy(self.skipped.value))
 

@@ -75,7 +75,7 @@ def test_invalid_options_are_refused(bad):
                                     multiply_weight_decay_by_learning_rate=1),
      r"SGD: `multiply_weight_decay_by_learning_rate` must be True or False"),
     (lambda: sparseopt.updaters.SGD(0.1, clip_norm=1.0), r"SGD: unknown option `clip_norm`"),
-    (lambda: sparseopt.updaters.Adam(0.1, swa=10), r"Adam: `swa` is not supported.*ema_momentum"),
+    (lambda: sparseopt.updaters.Adam(0.1, swa=10), r"Adam: `swa` is not supported.*`swa_period`"),
     (lambda: sparseopt.updaters.Adam(0.1, lookahead=5), r"Adam: `lookahead` is not supported"),
 ])
 @pytest.mark.backend_independent

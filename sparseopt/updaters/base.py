@@ -23,7 +23,7 @@ import keras
 from keras import ops
 
 from sparseopt import storage
-from sparseopt.updaters import catch_up, hyperparameters
+from sparseopt.updaters import catch_up, hyperparameters, swa
 from sparseopt.updaters.transforms import (
     OPTIONS, check_options, chain, transforms_from, value_at)
 
@@ -144,6 +144,9 @@ LAST_STEP = SlotSpec(catch_up.LAST_STEP_SLOT, rowwise=True, initial_value=0, dty
                      holds_step=True)
 # Where `ema_momentum`: the row's moving average minus the row, as of its last update.
 EMA_OFFSET = SlotSpec(catch_up.EMA_OFFSET_SLOT)
+# Where `swa_period`: the row's average over the snapshots counted, and their number.
+SWA_AVERAGE = SlotSpec(swa.AVERAGE_SLOT)
+SWA_COUNT = SlotSpec(swa.COUNT_SLOT, rowwise=True, initial_value=0, dtype="int32")
 
 
 class Updater:
@@ -184,6 +187,11 @@ class Updater:
         ema_momentum: `None` (default), or keep an exponential moving average
             of each row as Keras' `use_ema=True` does (`m` in `[0, 1)`), at
             sparse cost; at the end of `fit` the table takes its average.
+        swa_period, swa_start: stochastic weight averaging (TF Addons' `SWA`:
+            a snapshot after the update of every step `t` with
+            `t - 1 >= swa_start` and `(t - 1 - swa_start) % swa_period == 0`),
+            exact at sparse cost (`sparseopt.updaters.swa`); at the end of
+            `fit` the table takes the average. `None` (default): off.
         state_dtype, stochastic_rounding, rounding_seed: how the tables
             it trains store their state and write 16-bit values, for tables
             that do not say so themselves. They belong to the table: give
@@ -253,7 +261,7 @@ class Updater:
 
     def __init__(self, learning_rate, name=None, lazy=True, ema_momentum=None,
                  state_dtype="float32", stochastic_rounding=True, rounding_seed=0,
-                 follow_learning_rate=True, **options):
+                 follow_learning_rate=True, swa_period=None, swa_start=0, **options):
         owner = type(self).__name__
         # Every float the step reads: the learning rate, the rule's
         # hyperparameters, the numeric options (`sparseopt.updaters.hyperparameters`).
@@ -271,6 +279,8 @@ class Updater:
             raise ValueError(f"{owner}: `ema_momentum` must be a number in "
                              f"[0, 1), got {ema_momentum!r}.")
         self.ema_momentum = None if ema_momentum is None else float(ema_momentum)
+        # `(start, period)` of stochastic weight averaging, or None.
+        self.swa = swa.check(owner, swa_start, swa_period)
         # The table's storage, given here (the older spelling; `sparseopt.storage`).
         self.state_dtype, self.stochastic_rounding, self.rounding_seed = storage.checked(
             owner, state_dtype, stochastic_rounding, rounding_seed)
@@ -455,6 +465,14 @@ class Updater:
                 "every other row's. Use the default lazy=True without ema_momentum.")
         if not self.lazy:
             catch_up.check(self)
+        if self.swa is not None and (not self.lazy or self.ema_momentum is not None):
+            raise ValueError(
+                f"{type(self).__name__}: `swa_period` with "
+                f"{'lazy=False' if not self.lazy else 'ema_momentum'} is not supported: "
+                + ("rows that move while untouched give every snapshot a different value, "
+                   "which has no closed form here. Use lazy=True with swa_period."
+                   if not self.lazy else "both would give the table their average at the end "
+                   "of `fit`. Use one or the other."))
         if self.ema_momentum is not None and not self.lazy:
             raise ValueError(
                 f"{type(self).__name__}: `ema_momentum` with lazy=False is not supported: "
@@ -488,9 +506,10 @@ class Updater:
         """`slots` with the unread ones: what sparseopt 0.2 kept (its checkpoints load)."""
         own = self.__dict__.get("_rule_slots", ())
         ema = self.__dict__.get("ema_momentum") is not None
+        averaged = (SWA_AVERAGE, SWA_COUNT) if self.__dict__.get("swa") else ()
         if ema:
-            return own + (LAST_STEP, EMA_OFFSET)
-        return own if self.__dict__.get("lazy", True) else own + (LAST_STEP,)
+            return own + (LAST_STEP, EMA_OFFSET) + averaged
+        return (own if self.__dict__.get("lazy", True) else own + (LAST_STEP,)) + averaged
 
     @property
     def tracks_rows(self):
@@ -503,7 +522,7 @@ class Updater:
         `tf_kernel()` where no option is set and the updater is lazy: kernels
         know the bare rule only.
         """
-        if self.transforms or self.tracks_rows or self.scheduled:
+        if self.transforms or self.tracks_rows or self.scheduled or self.swa:
             return None
         return self.tf_kernel()
 
@@ -513,6 +532,16 @@ class Updater:
         Same arguments and result as `update`. With `lazy=False` the rows
         first catch up on the steps they missed (`sparseopt.updaters.catch_up`).
         """
+        if self.swa is not None:  # the rule, then the row's average (`swa`)
+            own = {k: v for k, v in state.items() if k not in (swa.AVERAGE_SLOT, swa.COUNT_SLOT)}
+            new_rows, new_state = self._rule_with_catch_up(rows, own, grads, learning_rate,
+                                                           step)
+            average, count = swa.step(state[swa.AVERAGE_SLOT], state[swa.COUNT_SLOT], rows,
+                                      new_rows, step, *self.swa)
+            return new_rows, {**new_state, swa.AVERAGE_SLOT: average, swa.COUNT_SLOT: count}
+        return self._rule_with_catch_up(rows, state, grads, learning_rate, step)
+
+    def _rule_with_catch_up(self, rows, state, grads, learning_rate, step):
         if not self.tracks_rows:
             return chain(self.transforms, self.update, rows, state, grads, learning_rate, step)
         return catch_up.then_step(self, rows, state, grads, learning_rate, step)
@@ -603,6 +632,8 @@ class Updater:
             options["lazy"] = False
         if self.ema_momentum is not None:
             options["ema_momentum"] = self.ema_momentum
+        if self.swa is not None:
+            options.update(swa_start=self.swa[0], swa_period=self.swa[1])
         # Settings, where not the defaults (older configs load unchanged).
         for key, default in {**STORAGE_DEFAULTS, "follow_learning_rate": True}.items():
             if getattr(self, key) != default:

@@ -194,11 +194,11 @@ OPTIONS = {
 
 # Wrappers people ask for that have no exact sparse form here, and why.
 REFUSED = {
-    "swa": "stochastic weight averaging keeps a second table that every row moves toward "
-           "on a schedule of epochs, touched or not; use `ema_momentum` (an exponential "
-           "average at sparse cost) or average checkpoints offline",
-    "lookahead": "lookahead pulls every row toward a slow copy every k steps, touched or "
-                 "not, which has no closed form for rows that moved in between",
+    "swa": "stochastic weight averaging is the updater argument `swa_period` (with "
+           "`swa_start`), exact at sparse cost",
+    "lookahead": "lookahead's sync (every k steps, of the rows touched in the window) is not "
+                 "offered for tables yet; use `swa_period` or `ema_momentum` to average "
+                 "the table instead",
 }
 
 
