@@ -21,6 +21,16 @@ from sparseopt.sparse_apply import (
     MAX_GROUP_ROWS, as_computed, finish, finish_group, prepare, prepare_group, sparse_apply)
 
 
+class _FromTable(keras.initializers.Initializer):
+    """A whole slot's start computed from the table (`SlotSpec.from_table`)."""
+
+    def __init__(self, fn, table):
+        self.fn, self.table = fn, table
+
+    def __call__(self, shape, dtype=None):
+        return ops.cast(self.fn(ops.cast(self.table.value, "float32")), dtype)
+
+
 class _Filled(keras.initializers.Initializer):
     """`Constant(value)` in one buffer.
 
@@ -86,12 +96,21 @@ class TableTrainer:
                 stochastic rounding draws its own bits).
         """
         table, prefix = self.table, self.table.path.replace("/", "_")
+        if self.vocabulary is not None and any(s.from_table is not None
+                                               for s in self.updater.slots):
+            raise ValueError(
+                f"Table '{table.path}': {type(self.updater).__name__}(lazy=False) keeps "
+                "statistics of the whole table's values, which an open vocabulary changes "
+                "outside the rule when it gives a row to a new id. Use lazy=True on a "
+                "DynamicEmbedding.")
         self.rounding = precision.Rounding(self.storage.stochastic_rounding,
                                            self.storage.rounding_seed, index)
         for spec in self.updater.slots:
             shape = spec.shape(table.shape)
+            start = (_Filled(spec.initial_value) if spec.from_table is None
+                     else _FromTable(spec.from_table, table))
             self.slots[spec.name] = optimizer.add_variable(
-                shape=shape, initializer=_Filled(spec.initial_value),
+                shape=shape, initializer=start,
                 dtype=spec.dtype_for(self.storage.state_dtype),
                 # Per-row state is sharded like the table, so that updates stay
                 # local; whole state is replicated.

@@ -105,6 +105,16 @@ def test_sparse_step_does_no_vocab_work(case):
     assert_no_vocab_work(vocab_sized_work(model, data))
 
 
+@pytest.mark.parametrize("factored", [True, False])
+def test_dense_adafactor_keeps_its_table_statistics_without_vocab_work(factored):
+    """Adafactor(lazy=False) is Keras' whole-table Adafactor through running sums
+    (tests/test_adafactor.py): its step still reads and writes the step's rows only."""
+    updater = sparseopt.updaters.Adafactor(0.1, lazy=False, factored=factored)
+    model, data = make_model(sparseopt.DispatchOptimizer(keras.optimizers.Adam()),
+                             updater=updater)
+    assert_no_vocab_work(vocab_sized_work(model, data))
+
+
 def test_a_step_of_more_distinct_ids_than_one_pass_takes_is_in_place_too():
     """10,240 distinct ids: JAX updates them 8,192 at a time in a loop that carries the
     table, which must still be updated in place."""

@@ -6,6 +6,16 @@ from keras import ops
 from sparseopt.updaters.base import SlotSpec, Updater
 
 
+def _sum_of_squares(table):
+    """The table's sum of squared entries (where `lazy=False`'s `Q` starts)."""
+    return ops.sum(ops.square(table))
+
+
+def _entries(table):
+    """The table's number of entries, `V x D` (the means over the whole table)."""
+    return ops.cast(ops.size(table), "float32")
+
+
 @keras.saving.register_keras_serializable(package="sparseopt")
 class Adafactor(Updater):
     """Adafactor on the rows a step touches: Keras' arithmetic on that sub-table.
@@ -41,6 +51,28 @@ class Adafactor(Updater):
     two floats a table (this step's row mean and scale, which the row rule
     reads).
 
+    `lazy=False` is Keras' dense `Adafactor` on the whole table, at sparse
+    cost. An untouched row has a zero gradient, so it does not move, and its
+    `vr` only decays toward `epsilon_1`: `vr - epsilon_1` shrinks by `b` a
+    step, so each row keeps the running sum `L` of `log b` at its last update
+    (`vr_log`, 4 bytes a row) and its `vr` is
+    `epsilon_1 + (vr - epsilon_1) exp(L_now - vr_log)` whenever read. The
+    statistics over every row are running sums kept per table: the column
+    factor gets `epsilon_1` from every untouched row; `S`, the sum of
+    `vr - epsilon_1` over all rows, shrinks by `b` and gains the step's rows
+    (the row mean is `epsilon_1 + S / V`); the update's RMS is over the
+    step's rows' entries divided by all `V x D` (the others are 0); and the
+    table's sum of squares `Q` (its RMS) starts from the table when the
+    optimizer is built and moves by each step's change of its rows. Exact up
+    to float rounding (tested against `keras.optimizers.Adafactor` on a
+    one-hot table where most rows miss most steps); `Q` follows the values
+    the rule computes, so it is refused with options that change rows outside
+    the rule (decoupled `weight_decay`, `max_norm`, weight clips), with
+    `beta_1 > 0` (dense momentum moves untouched rows), and on open
+    vocabularies (rows reset to new values). Writing the table outside
+    training (`assign`) leaves `Q` behind. `keras.optimizers.Adafactor` (a
+    keras-rs `TableConfig`) converts to this form and back.
+
     Args:
         learning_rate: float or `LearningRateSchedule` (Keras' default 0.001).
         beta_2_decay: the exponent of the second moment's decay
@@ -59,6 +91,8 @@ class Adafactor(Updater):
     with Sublinear Memory Cost".
     """
 
+    keras_optimizer = keras.optimizers.Adafactor
+    dense_in_rule = True
     test_configs = {
         "default": {},
         "momentum_unfactored": {"beta_1": 0.8, "factored": False, "clip_threshold": 0.5},
@@ -81,15 +115,46 @@ class Adafactor(Updater):
         self.relative_step = bool(relative_step)
         self.multiply_by_parameter_scale = bool(multiply_by_parameter_scale)
         self.factored = bool(factored)
-        slots = ([SlotSpec("vr", kind="row"), SlotSpec("vc", kind="column")] if self.factored
-                 else [SlotSpec("v")])
+        dense = not self.lazy
+        if dense:
+            self._check_dense(options)
+        # Dense: a row never updated reads `epsilon_1 + (start - epsilon_1)`.
+        start = float(self.epsilon_1) if dense else 0.0
+        slots = ([SlotSpec("vr", kind="row", initial_value=start),
+                  SlotSpec("vc", kind="column")] if self.factored
+                 else [SlotSpec("v", initial_value=start)])
+        if dense:  # (`lazy=False`: the running sums of the class docstring)
+            slots += [SlotSpec("vr_log", kind="row"), SlotSpec("log_decay", kind="table"),
+                      SlotSpec("log_decay_before", kind="table"),
+                      SlotSpec("sum_squares", kind="table", from_table=_sum_of_squares),
+                      SlotSpec("entries", kind="table", from_table=_entries)]
+            if self.factored:
+                slots.append(SlotSpec("excess", kind="table"))
         if self.beta_1:
             slots.append(SlotSpec("momentum"))
-        # This step's statistics of its rows (`update_whole`), read by the row rule.
+        # This step's statistics (`update_whole`), read by the row rule.
         if self.factored:
             slots.append(SlotSpec("row_mean", kind="table", initial_value=1.0))
         slots.append(SlotSpec("scale", kind="table"))
         self.slots = tuple(slots)
+
+    def _check_dense(self, options):
+        owner = type(self).__name__
+        moved = sorted(k for k in ("max_norm", "clip_weight_min", "clip_weight_max")
+                       if options.get(k) is not None)
+        if options.get("weight_decay") and options.get("weight_decay_mode",
+                                                       "decoupled") == "decoupled":
+            moved.append("weight_decay")
+        if moved:
+            raise ValueError(
+                f"{owner}(lazy=False) with {moved}: the table's RMS is kept as a running sum "
+                "of the changes the rule makes, which these options would bypass. Remove "
+                "them, use weight_decay_mode='l2', or lazy=True.")
+        if self.beta_1:
+            raise ValueError(
+                f"{owner}(lazy=False) with beta_1 > 0: a dense momentum moves every row "
+                "every step, which the running sums cannot follow. Use beta_1=0 (Keras' "
+                "Adafactor has none) or lazy=True.")
 
     # -- the pieces of one step ------------------------------------------------
 
@@ -97,15 +162,31 @@ class Adafactor(Updater):
         t = ops.cast(step, "float32")
         return 1.0 - ops.power(t, self.value("beta_2_decay", step))
 
-    def _second_moment(self, state, grads, step):
-        """The touched rows' new `vr` (`[U]`) or `v` (`[U, D]`)."""
+    def _log_decay(self, step):
+        """`log b` of the step, 0 on the first (where `b = 0` replaces every moment)."""
+        t = ops.cast(step, "float32")
+        return ops.where(t > 1, ops.log(ops.maximum(self._decay(step), 1e-38)), 0.0)
+
+    def _second_moment(self, state, grads, step, before=None):
+        """The touched rows' new `vr` (`[U]`) or `v` (`[U, D]`).
+
+        `before`: dense form only, the running `log b` sum as of the previous
+        step; the stored moment first decays over the steps the row missed.
+        """
         b = self._decay(step)
-        regulated = ops.square(grads) + self.value("epsilon_1", step)
+        eps = self.value("epsilon_1", step)
+        regulated = ops.square(grads) + eps
+        old = state["vr" if self.factored else "v"]
+        if not self.lazy:
+            missed = ops.exp(before - state["vr_log"])
+            old = eps + (old - eps) * (missed if self.factored else missed[:, None])
         if self.factored:
-            return b * state["vr"] + (1 - b) * ops.mean(regulated, axis=-1)
-        return b * state["v"] + (1 - b) * regulated
+            return b * old + (1 - b) * ops.mean(regulated, axis=-1)
+        return b * old + (1 - b) * regulated
 
     def contributions(self, rows, state, grads, step):
+        if not self.lazy:
+            return self._dense_contributions(rows, state, grads, step)
         moment = self._second_moment(state, grads, step)
         square = ops.square(grads)
         ones = ops.ones(ops.shape(grads)[:1])
@@ -119,7 +200,56 @@ class Adafactor(Updater):
             out["u_square"] = ops.sum(square / moment, axis=-1)
         return out
 
+    def _dense_contributions(self, rows, state, grads, step):
+        moment = self._second_moment(state, grads, step, before=state["log_decay"])
+        square = ops.square(grads)
+        if self.factored:  # sum_T u^2 and sum_T w u, but for the whole factors
+            root = ops.sqrt(moment)[:, None]
+            return {"square": square, "u_square": square / moment[:, None],
+                    "w_u": rows * grads / root}
+        root = ops.sqrt(moment)
+        return {"u_square": ops.sum(square / moment, axis=-1),
+                "w_u": ops.sum(rows * grads / root, axis=-1)}
+
+    def _dense_whole(self, state, sums, num_rows, step):
+        v = ops.cast(num_rows, "float32")
+        entries = state["entries"]  # V x D
+        width = entries / v
+        b = self._decay(step)
+        eps = self.value("epsilon_1", step)
+        new = {}
+        if self.factored:
+            vc = b * state["vc"] + (1 - b) * (eps + sums["square"] / v)
+            excess = b * state["excess"] + (1 - b) * ops.sum(sums["square"]) / width
+            row_mean = eps + excess / v
+            u_square = row_mean * ops.sum(sums["u_square"] / vc)
+            w_u = ops.sqrt(row_mean) * ops.sum(sums["w_u"] / ops.sqrt(vc))
+            new.update(vc=vc, excess=excess, row_mean=row_mean)
+        else:
+            u_square, w_u = sums["u_square"], sums["w_u"]
+        clip = ops.maximum(1.0, ops.sqrt(u_square / entries)
+                           / self.value("clip_threshold", step))
+        scale = 1.0 / clip
+        q = state["sum_squares"]
+        if self.multiply_by_parameter_scale:
+            scale = scale * ops.maximum(self.value("epsilon_2", step),
+                                        ops.sqrt(ops.maximum(q, 0.0) / entries))
+        rate = self._rate(self.value("learning_rate", step), step)
+        # Each row moves by -a u: the table's sum of squares by -2a w.u + a^2 u.u.
+        a = rate * scale
+        log_decay = state["log_decay"] + self._log_decay(step)
+        new.update(scale=scale, sum_squares=q - 2.0 * a * w_u + a * a * u_square,
+                   log_decay=log_decay, log_decay_before=state["log_decay"], entries=entries)
+        return new
+
+    def _rate(self, learning_rate, step):
+        if self.relative_step:
+            return ops.minimum(learning_rate, ops.rsqrt(ops.cast(step, "float32")))
+        return learning_rate
+
     def update_whole(self, state, sums, num_rows, step):
+        if not self.lazy:
+            return self._dense_whole(state, sums, num_rows, step)
         n = ops.maximum(sums["rows"], 1.0)
         entries = ops.maximum(sums["entries"], 1.0)
         new = {}
@@ -142,21 +272,47 @@ class Adafactor(Updater):
         return new
 
     def update(self, rows, state, grads, learning_rate, step):
-        moment = self._second_moment(state, grads, step)
+        before = None if self.lazy else state["log_decay_before"]
+        moment = self._second_moment(state, grads, step, before=before)
         if self.factored:
             v = (moment / state["row_mean"])[:, None] * state["vc"]
             new = {"vr": moment}
         else:
             v, new = moment, {"v": moment}
-        rate = learning_rate
-        if self.relative_step:
-            rate = ops.minimum(learning_rate, ops.rsqrt(ops.cast(step, "float32")))
-        delta = rate * state["scale"] * grads / ops.sqrt(v)
+        if not self.lazy:  # the running log-decay sum its moment is now as of
+            new["vr_log"] = ops.broadcast_to(state["log_decay"], ops.shape(moment)[:1])
+        delta = self._rate(learning_rate, step) * state["scale"] * grads / ops.sqrt(v)
         if self.beta_1:
             b1 = self.value("beta_1", step)
             delta = b1 * state["momentum"] + (1 - b1) * delta
             new["momentum"] = delta
         return rows - delta, new
+
+    def to_keras(self):
+        settings = []
+        if self.lazy:
+            settings.append("lazy=True (its statistics are over the step's rows; Keras' over "
+                            "the whole table: lazy=False)")
+        if self.beta_1 or not self.factored:
+            settings.append("beta_1 > 0 or factored=False (Keras' Adafactor factors a table "
+                            "and keeps no momentum)")
+        if not (self.relative_step and self.multiply_by_parameter_scale):
+            settings.append("relative_step=False or multiply_by_parameter_scale=False (Keras' "
+                            "Adafactor always takes min(lr, 1/sqrt(t)) and the parameter scale)")
+        if settings:
+            raise ValueError(f"sparseopt: Adafactor with {'; '.join(settings)} has no Keras "
+                             "optimizer equivalent; use the defaults with lazy=False.")
+        return keras.optimizers.Adafactor(
+            self.learning_rate, beta_2_decay=self.beta_2_decay, epsilon_1=self.epsilon_1,
+            epsilon_2=self.epsilon_2, clip_threshold=self.clip_threshold)
+
+    @classmethod
+    def from_keras(cls, learning_rate, config, where=""):
+        # Keras' `relative_step` changes nothing in its arithmetic (it takes the
+        # minimum with 1/sqrt(t) either way): dropped.
+        return cls(learning_rate, beta_2_decay=config["beta_2_decay"],
+                   epsilon_1=config["epsilon_1"], epsilon_2=config["epsilon_2"],
+                   clip_threshold=config["clip_threshold"], lazy=False)
 
     def get_config(self):
         return {**super().get_config(), "relative_step": self.relative_step,

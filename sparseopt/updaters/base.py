@@ -84,6 +84,10 @@ class SlotSpec:
         holds_step: the slot holds a step number (`lazy=False`'s last update):
             a row given to a new id (an open vocabulary) starts it at the
             current step instead of `initial_value`.
+        from_table: for a whole kind, `fn(table)` (float32 `[V, D]` -> the
+            slot's value) computing where it starts from the table's values
+            when the optimizer is built (whole-table work, once; e.g. the
+            table's sum of squares). None: `initial_value`.
     """
 
     name: str
@@ -92,6 +96,7 @@ class SlotSpec:
     dtype: str = None  # None: the table's state_dtype (per-row kinds), else float32
     kind: str = None  # None: "row" if rowwise else "entry"
     holds_step: bool = False
+    from_table: object = None
 
     def __post_init__(self):
         kind = self.kind or (ROW if self.rowwise else ENTRY)
@@ -103,6 +108,9 @@ class SlotSpec:
                              f"{kind!r}.")
         object.__setattr__(self, "kind", kind)
         object.__setattr__(self, "rowwise", kind == ROW)
+        if self.from_table is not None and kind in (ENTRY, ROW):
+            raise ValueError(f"SlotSpec '{self.name}': `from_table` is for whole kinds "
+                             "('column', 'table') only.")
 
     @property
     def per_row(self):
@@ -205,6 +213,10 @@ class Updater:
         **options: the options above.
     """
 
+    # True for a rule whose `lazy=False` form is its own (it keeps the state its
+    # dense form needs, e.g. Adafactor's running sums), not the generic
+    # catch-up of missed steps (`sparseopt.updaters.catch_up`).
+    dense_in_rule = False
     # The Keras optimizer class with the same rule (keras-rs TableConfig), if any.
     keras_optimizer = None
     # `{case name: constructor kwargs besides learning_rate}` the tests run.
@@ -458,12 +470,12 @@ class Updater:
     def _check_settings(self):
         """Checks that need the whole updater (run once its `__init__` is done)."""
         whole = [spec.name for spec in self.__dict__.get("_rule_slots", ()) if not spec.per_row]
-        if whole and self.tracks_rows:
+        if whole and self.tracks_rows and not self.dense_in_rule:
             raise ValueError(
                 f"{type(self).__name__}: `lazy=False` and `ema_momentum` are not supported "
                 f"with whole-table state {whole}: a row's missed steps would depend on "
                 "every other row's. Use the default lazy=True without ema_momentum.")
-        if not self.lazy:
+        if not self.lazy and not self.dense_in_rule:
             catch_up.check(self)
         if self.swa is not None and (not self.lazy or self.ema_momentum is not None):
             raise ValueError(
@@ -509,12 +521,14 @@ class Updater:
         averaged = (SWA_AVERAGE, SWA_COUNT) if self.__dict__.get("swa") else ()
         if ema:
             return own + (LAST_STEP, EMA_OFFSET) + averaged
-        return (own if self.__dict__.get("lazy", True) else own + (LAST_STEP,)) + averaged
+        generic = not self.__dict__.get("lazy", True) and not self.dense_in_rule
+        return (own + (LAST_STEP,) if generic else own) + averaged
 
     @property
     def tracks_rows(self):
-        """Whether each row's last step is kept (`lazy=False` or `ema_momentum`)."""
-        return not self.lazy or self.ema_momentum is not None
+        """Whether each row's last step is kept (`lazy=False` or `ema_momentum`; a rule
+        whose dense form is its own keeps its own record)."""
+        return (not self.lazy and not self.dense_in_rule) or self.ema_momentum is not None
 
     def fused_kernel(self):
         """The TF kernel that computes this updater's whole step, or None.

@@ -35,9 +35,6 @@ def _keras_and_ours(name):
 _NEAREST = {
     "Adadelta": ("its step is scaled by a running average of its own past updates, which "
                  "no table rule keeps yet", _keras_and_ours("RMSprop")),
-    "Adafactor": ("its column factor, row mean and norms are taken over every row of the "
-                  "table each step", "sparseopt.updaters.Adafactor, which takes them over the "
-                  "step's rows"),
     "Muon": ("it orthogonalizes the whole 2-D update, every row at once",
              _keras_and_ours("Adam")),
     "ScheduleFreeAdamW": ("its averaging moves every row every step", _keras_and_ours("Adam")),
@@ -51,7 +48,7 @@ def from_keras_optimizer(optimizer, table=None):
 
     Args:
         optimizer: a `keras.optimizers.SGD`, `Adagrad`, `Adam`, `Ftrl`,
-            `RMSprop`, `Adamax`, `Nadam`, `Lion` or `Lamb` (instance, or name
+            `RMSprop`, `Adamax`, `Nadam`, `Lion`, `Lamb` or `Adafactor` (instance, or name
             such as `"adagrad"`), as in keras-rs' `TableConfig.optimizer`.
         table: optional table name, for error messages.
 
@@ -61,7 +58,7 @@ def from_keras_optimizer(optimizer, table=None):
 
     Raises:
         ValueError: for an optimizer or a setting without a sparse equivalent
-            (Adadelta, Adafactor, AMSGrad, a whole-table `clipnorm`, dense
+            (Adadelta, Muon, AMSGrad, a whole-table `clipnorm`, dense
             weight decay, ...), naming the nearest rule that has one.
     """
     where = f" for table '{table}'" if table else ""
@@ -144,7 +141,7 @@ def to_keras_optimizer(updater):
     extra = dict(updater.options)
     if updater.ema_momentum is not None:
         extra.update(use_ema=True, ema_momentum=updater.ema_momentum)
-    if not updater.lazy:
+    if not updater.lazy and not updater.dense_in_rule:
         raise ValueError(
             f"sparseopt: {type(updater).__name__}(lazy=False) has no Keras optimizer "
             "equivalent to convert to (a Keras optimizer on a keras-rs table is converted "
