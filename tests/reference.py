@@ -124,7 +124,7 @@ def nadam(w, state, g, lr, cfg, t):
     v = b2 * state["velocity"] + (1 - b2) * g * g
     m_hat = u(t + 1) * m / (1 - product * u(t + 1)) + (1 - u(t)) * g / (1 - product)
     w = w - lr * m_hat / (np.sqrt(v / (1 - b2 ** t)) + eps)
-    return w, {"momentum": m, "velocity": v, "u_product": np.asarray(product)}
+    return w, {"momentum": m, "velocity": v}
 
 
 def lion(w, state, g, lr, cfg, t):
@@ -186,7 +186,6 @@ STARTS = {
     "Ftrl": {"accumulator": ("initial_accumulator_value", 0.1)},
     "FrequencyAwareAdagrad": {"accumulator": ("initial_accumulator_value", 0.1)},
     "AdagradMomentum": {"accumulator": ("initial_accumulator_value", 0.0)},
-    "Nadam": {"u_product": (None, 1.0)},
     "Adafactor": {"row_mean": (None, 1.0)},
 }
 

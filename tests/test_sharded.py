@@ -101,7 +101,7 @@ def test_bfloat16_tables_round_as_on_one_device_bit_for_bit(runs, layout):
 @pytest.mark.parametrize("layout", ROWS)
 def test_whole_table_state_on_a_table_split_by_rows_trains_as_on_one_device(runs, layout):
     """A rule with a `[D]` column slot and a scalar slot (summed over every
-    distinct row of the step) on a row-sharded table: the whole slots stay
+    distinct row of the step), and Adafactor's dense form, on a row-sharded table: the whole slots stay
     replicated, are updated once a step from every shard's rows, and the
     table and all its state end as on one device (to float rounding: the sums
     are taken in another order)."""
@@ -110,6 +110,10 @@ def test_whole_table_state_on_a_table_split_by_rows_trains_as_on_one_device(runs
     assert want["rows_seen"] > 0 and np.all(want["column_sq"] != 1.0)  # trained
     for key in ("table", "column_sq", "rows_seen", "row_sq"):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    # Adafactor(lazy=False): its sum of squares started from every shard's rows.
+    assert np.any(want["factor_table"] != 0) and want["factor_sum_squares"] > 0
+    for key in [k for k in want.files if k.startswith("factor_")]:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6, err_msg=key)
 
 
 @pytest.mark.parametrize("layout", ROWS)

@@ -142,8 +142,7 @@ STATE_BYTES = {
     + (4 * d if cfg.get("beta_1") else 0),
 }
 # Whole-table state, in bytes per table (whatever its rows).
-WHOLE_BYTES = {"Nadam": lambda cfg, d: 4,
-               # vc, this step's row mean and scale; unfactored: the scale.
+WHOLE_BYTES = {# vc, this step's row mean and scale; unfactored: the scale.
                "Adafactor": lambda cfg, d: 4 * d + 8 if cfg.get("factored", True) else 4}
 
 

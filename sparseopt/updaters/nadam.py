@@ -6,9 +6,27 @@ from keras import ops
 from sparseopt.updaters.base import SlotSpec, Updater
 
 
+# 0.5 * 0.96^k is below float32's resolution of 1 from k = 400 on: the
+# product's factors past that are 1.
+_TERMS = 512
+
+
 def momentum_schedule(beta_1, t):
     """Nadam's momentum at step `t`: `beta_1 (1 - 0.5 * 0.96^t)` (Keras' form)."""
     return beta_1 * (1.0 - 0.5 * ops.power(0.96, t))
+
+
+def momentum_product(beta_1, t):
+    """`u_1 ... u_t`, as a function of the step (Keras keeps it as a running product).
+
+    `beta_1^t` times the product of `1 - 0.5 * 0.96^k` over `k <= t`, the
+    latter a sum of logs over at most `_TERMS` steps: a function of `t`
+    alone, so a step the table skips (non-finite gradients) still counts,
+    as the step count `t` does.
+    """
+    k = ops.arange(1, _TERMS + 1, dtype="float32")
+    logs = ops.where(k <= t, ops.log1p(-0.5 * ops.power(0.96, k)), 0.0)
+    return ops.power(beta_1, t) * ops.exp(ops.sum(logs))
 
 
 @keras.saving.register_keras_serializable(package="sparseopt")
@@ -16,8 +34,8 @@ class Nadam(Updater):
     """Lazy Nadam: Adam with Nesterov momentum and Keras' momentum schedule.
 
     With `t` the optimizer's step (1-based, global), `u_t = beta_1 (1 - 0.5 * 0.96^t)`
-    and `P_t = u_1 ... u_t` (one number per table, `u_product`, advanced once
-    per step), on each touched row:
+    and `P_t = u_1 ... u_t` (a function of `t`: Keras keeps it as a running
+    product), on each touched row:
 
         m <- beta_1 m + (1 - beta_1) g
         v <- beta_2 v + (1 - beta_2) g^2
@@ -25,8 +43,9 @@ class Nadam(Updater):
         w <- w - lr m_hat / (sqrt(v / (1 - beta_2^t)) + epsilon)
 
     Keras' arithmetic on the touched rows; untouched rows and their moments
-    do not change (dense Nadam also decays and applies them). The product is
-    whole-table state: with it, `lazy=False` and `ema_momentum` are refused.
+    do not change (dense Nadam also decays and applies them). `beta_1` is
+    fixed once built (Keras' `Nadam` takes a constant too): the product of
+    every step's momentum is computed from it.
 
     Args:
         learning_rate: float or `LearningRateSchedule`.
@@ -48,22 +67,18 @@ class Nadam(Updater):
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
                  name=None, **options):
         super().__init__(learning_rate, name=name, **options)
-        self.hyperparameter("beta_1", beta_1, lambda v: 0 <= v < 1, "in [0, 1)")
+        # Fixed: `P_t` is computed from it (a changed beta_1 would rewrite the past).
+        self.hyperparameter("beta_1", beta_1, lambda v: 0 <= v < 1, "in [0, 1)", fixed=True,
+                            schedule=False)
         self.hyperparameter("beta_2", beta_2, lambda v: 0 <= v < 1, "in [0, 1)")
         self.hyperparameter("epsilon", epsilon, lambda v: v >= 0, ">= 0")
-        self.slots = (SlotSpec("momentum"), SlotSpec("velocity"),
-                      SlotSpec("u_product", kind="table", initial_value=1.0))
-
-    def update_whole(self, state, sums, num_rows, step):
-        t = ops.cast(step, "float32")
-        return {"u_product": state["u_product"] * momentum_schedule(self.value("beta_1", step),
-                                                                    t)}
+        self.slots = (SlotSpec("momentum"), SlotSpec("velocity"))
 
     def update(self, rows, state, grads, learning_rate, step):
         t = ops.cast(step, "float32")
         b1, b2 = self.value("beta_1", step), self.value("beta_2", step)
         u_t, u_next = momentum_schedule(b1, t), momentum_schedule(b1, t + 1)
-        product = state["u_product"]  # P_t: this step's, from `update_whole`
+        product = momentum_product(b1, t)  # P_t
         m = b1 * state["momentum"] + (1 - b1) * grads
         v = b2 * state["velocity"] + (1 - b2) * ops.square(grads)
         m_hat = u_next * m / (1 - product * u_next) + (1 - u_t) * grads / (1 - product)

@@ -341,7 +341,11 @@ def run_whole_slots(layout, out):
     ids_in = keras.Input((n_ids,), dtype="int32")
     emb = sparseopt.layers.SparseEmbedding(rows, width, ColumnScaledSGD(0.2, clipvalue=0.5),
                                            name="whole")
-    model = keras.Model(ids_in, emb(ids_in))
+    # Adafactor's dense form: whole slots, one started from the table (its sum of
+    # squares, over every shard) and moved by running sums.
+    factor = sparseopt.layers.SparseEmbedding(
+        rows, width, sparseopt.updaters.Adafactor(0.05, lazy=False), name="factor")
+    model = keras.Model(ids_in, keras.layers.Add()([emb(ids_in), factor(ids_in)]))
     model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()),
                   loss=lambda y, p: keras.ops.sum(y * p, axis=(1, 2)))
     rng = np.random.default_rng(6)
@@ -351,10 +355,15 @@ def run_whole_slots(layout, out):
     model.fit(this_process(x), this_process(y), batch_size=BATCH // jax.process_count(),
               shuffle=False, verbose=0)
     state = model.optimizer.table_state(emb.embeddings)
+    factored = model.optimizer.table_state(factor.embeddings)
     saved = {"table": to_numpy(emb.embeddings.value),
              **{name: to_numpy(v.value) for name, v in state.items()},
+             "factor_table": to_numpy(factor.embeddings.value),
+             **{f"factor_{name}": to_numpy(v.value) for name, v in factored.items()},
              "replicated": np.array([fully_replicated(state[n]) for n in
-                                     ("column_sq", "rows_seen")])}
+                                     ("column_sq", "rows_seen")]
+                                    + [fully_replicated(factored[n]) for n in
+                                       ("vc", "sum_squares", "excess")])}
     if jax.process_index() == 0:
         np.savez(os.path.join(out, f"{layout}_whole.npz"), **saved)
 
