@@ -53,7 +53,8 @@ MEMORY_TABLES = {"sparseopt-sgd": 4, "sparseopt-adagrad": 5, "sparseopt-rowwise_
                  "sparseopt-adam_options": 6, "sparseopt-sgd_momentum_dense": 5,
                  "sparseopt-adam_ema": 7, "fbgemm-sgd": 1.2, "sparseopt-rmsprop": 5,
                  "sparseopt-adamax": 6, "sparseopt-nadam": 6, "sparseopt-lion": 5,
-                 "sparseopt-lamb": 6,
+                 "sparseopt-lamb": 6, "sparseopt-adafactor": 5,
+                 "sparseopt-adafactor_dense": 5, "sparseopt-adam_swa": 7,
                  "sparseopt-ftrl": 6, "keras-adagrad": 6, "keras-adam": 7,
                  "fbgemm-rowwise_adagrad": 1.2, "fbgemm-adagrad": 2.2}
 PROCESS_GB = {"jax": 1.0, "tensorflow": 1.2, "torch": 0.6}
@@ -96,7 +97,10 @@ def _updater(name):
             "adamax": lambda: u.Adamax(TABLE_LR),
             "nadam": lambda: u.Nadam(TABLE_LR),
             "lion": lambda: u.Lion(TABLE_LR / 10),  # (Lion's steps are all lr: smaller)
-            "lamb": lambda: u.Lamb(TABLE_LR)}[name]()
+            "lamb": lambda: u.Lamb(TABLE_LR),
+            "adafactor": lambda: u.Adafactor(TABLE_LR),
+            "adafactor_dense": lambda: u.Adafactor(TABLE_LR, lazy=False),
+            "adam_swa": lambda: u.Adam(TABLE_LR, swa_period=10)}[name]()
 
 
 def build_keras(peer, rows, batch):

@@ -24,7 +24,8 @@ import run
 
 UPDATERS = ["sgd", "sgd_momentum", "adagrad", "rowwise_adagrad", "adagrad_momentum", "adam",
             "partial_rowwise_adam", "laprop", "frequency_aware_adagrad", "ftrl", "adam_options",
-            "sgd_momentum_dense", "adam_ema", "rmsprop", "adamax", "nadam", "lion", "lamb"]
+            "sgd_momentum_dense", "adam_ema", "rmsprop", "adamax", "nadam", "lion", "lamb",
+            "adafactor", "adafactor_dense", "adam_swa"]
 LABELS = {"sgd": "SGD", "sgd_momentum": "SGD(momentum=0.9)", "adagrad": "Adagrad",
           "rowwise_adagrad": "RowwiseAdagrad", "adagrad_momentum": "AdagradMomentum(0.9)",
           "adam": "Adam", "partial_rowwise_adam": "PartialRowwiseAdam", "laprop": "LaProp",
@@ -33,7 +34,8 @@ LABELS = {"sgd": "SGD", "sgd_momentum": "SGD(momentum=0.9)", "adagrad": "Adagrad
           "adam_options": "Adam + weight_decay, clipnorm, max_norm",
           "sgd_momentum_dense": "SGD(momentum=0.9, weight_decay, lazy=False)",
           "adam_ema": "Adam(ema_momentum=0.99)", "rmsprop": "RMSprop", "adamax": "Adamax",
-          "nadam": "Nadam", "lion": "Lion", "lamb": "Lamb"}
+          "nadam": "Nadam", "lion": "Lion", "lamb": "Lamb", "adafactor": "Adafactor",
+          "adafactor_dense": "Adafactor(lazy=False)", "adam_swa": "Adam(swa_period=10)"}
 PEERS = {"jax": [f"sparseopt-{u}" for u in UPDATERS] + ["keras-adam"],
          "tensorflow": [f"sparseopt-{u}" for u in UPDATERS] + ["keras-adam"],
          "torch": ["fbgemm-sgd", "fbgemm-adagrad", "fbgemm-rowwise_adagrad"]}

@@ -37,6 +37,8 @@ def dense_swa(name, cfg, table0, xs, ys, lr, steps):
 
 CASES = {"SGD": {}, "Adam": {}, "Adagrad": {}, "SGD-momentum": {"momentum": 0.9},
          "Adafactor": {}}
+# Adafactor's dense form moves no untouched row either (its reference is Keras'
+# own optimizer, not `tests/reference.py`): checked against its run without SWA.
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -105,3 +107,28 @@ def test_swa_settings_are_checked_and_saved():
     model.optimizer.build(model.trainable_variables)
     with pytest.raises(ValueError, match="keeps no weight average; give its updater"):
         model.optimizer.table_swa_average(emb.embeddings)
+
+
+def test_swa_of_dense_adafactor_averages_the_steps_it_takes():
+    """Adafactor(lazy=False) with SWA trains as without it, and its average is the
+    average of its own tables at the snapshot steps."""
+    rng = np.random.default_rng(7)
+    xs, ys = batches(rng, 12, BATCH, N_IDS, VOCAB, WIDTH)
+    runs = {}
+    for averaged in (False, True):
+        extra = {"swa_period": PERIOD, "swa_start": START} if averaged else {}
+        model, emb = table_model(VOCAB, WIDTH, N_IDS, sparseopt.updaters.Adafactor(
+            0.05, lazy=False, **extra), init="zeros")
+        model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)),
+                      loss=dot_loss)
+        tables = []
+        for t in range(12):
+            model.train_on_batch(xs[t], ys[t])
+            tables.append(to_np(emb.embeddings).copy())
+        runs[averaged] = (model, emb, tables)
+    np.testing.assert_array_equal(runs[True][2][-1], runs[False][2][-1])
+    snaps = [tables for t, tables in enumerate(runs[False][2], start=1)
+             if t - 1 >= START and (t - 1 - START) % PERIOD == 0]
+    model, emb, _ = runs[True]
+    np.testing.assert_allclose(to_np(model.optimizer.table_swa_average(emb.embeddings)),
+                               np.mean(snaps, axis=0), rtol=1e-5, atol=1e-7)

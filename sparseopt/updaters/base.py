@@ -214,8 +214,9 @@ class Updater:
     """
 
     # True for a rule whose `lazy=False` form is its own (it keeps the state its
-    # dense form needs, e.g. Adafactor's running sums), not the generic
-    # catch-up of missed steps (`sparseopt.updaters.catch_up`).
+    # dense form needs, e.g. Adafactor's running sums; rows it does not touch
+    # do not move), not the generic catch-up of missed steps
+    # (`sparseopt.updaters.catch_up`).
     dense_in_rule = False
     # The Keras optimizer class with the same rule (keras-rs TableConfig), if any.
     keras_optimizer = None
@@ -477,14 +478,15 @@ class Updater:
                 "every other row's. Use the default lazy=True without ema_momentum.")
         if not self.lazy and not self.dense_in_rule:
             catch_up.check(self)
-        if self.swa is not None and (not self.lazy or self.ema_momentum is not None):
+        moves_untouched = not self.lazy and not self.dense_in_rule  # (the generic catch-up)
+        if self.swa is not None and (moves_untouched or self.ema_momentum is not None):
             raise ValueError(
                 f"{type(self).__name__}: `swa_period` with "
-                f"{'lazy=False' if not self.lazy else 'ema_momentum'} is not supported: "
+                f"{'lazy=False' if moves_untouched else 'ema_momentum'} is not supported: "
                 + ("rows that move while untouched give every snapshot a different value, "
                    "which has no closed form here. Use lazy=True with swa_period."
-                   if not self.lazy else "both would give the table their average at the end "
-                   "of `fit`. Use one or the other."))
+                   if moves_untouched else "both would give the table their average at the "
+                   "end of `fit`. Use one or the other."))
         if self.ema_momentum is not None and not self.lazy:
             raise ValueError(
                 f"{type(self).__name__}: `ema_momentum` with lazy=False is not supported: "
