@@ -17,6 +17,8 @@ import keras
 import numpy as np
 import pytest
 
+import sparseopt
+
 from tests.helpers import ROOT, THOROUGH, child_env, kinds
 
 if keras.backend.backend() != "jax":
@@ -114,6 +116,23 @@ def test_whole_table_state_on_a_table_split_by_rows_trains_as_on_one_device(runs
     assert np.any(want["factor_table"] != 0) and want["factor_sum_squares"] > 0
     for key in [k for k in want.files if k.startswith("factor_")]:
         np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("layout", ROWS)
+def test_every_registered_updater_trains_a_table_split_by_rows_as_on_one_device(runs, layout):
+    """Each shipped updater (the registry: a new updater file is picked up), its
+    default configuration on a table of its own: table and state end as on one
+    device (to float rounding)."""
+    got, want = _load(runs, f"{layout}_every_updater"), _load(runs, "single_every_updater")
+    names = {key.split("/")[0] for key in want.files}
+    assert names == {f"u_{n.lower()}" for n in
+                     sparseopt.updaters.registry(shipped_only=True)}
+    assert sorted(got.files) == sorted(want.files)
+    for key in want.files:
+        if np.issubdtype(want[key].dtype, np.integer):
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+        else:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 @pytest.mark.parametrize("layout", ROWS)

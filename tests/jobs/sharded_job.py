@@ -21,6 +21,8 @@ batches, in this one process, and leaves in OUT_DIR:
   their owner in one round and in several (`run_routing`);
 - `<layout>_whole.npz` (the same): a table whose rule keeps whole-table
   state (`run_whole_slots`);
+- `<layout>_every_updater.npz`: every registered updater on a table of its own
+  (`run_every_updater`);
 - `<layout>_vocabulary.npz`, `.json` (the same): an open vocabulary
   (`run_vocabulary`);
 - `reshard_<i>_{loaded,saved}.npz`: a run saved under one layout and loaded
@@ -368,6 +370,38 @@ def run_whole_slots(layout, out):
         np.savez(os.path.join(out, f"{layout}_whole.npz"), **saved)
 
 
+def run_every_updater(layout, out):
+    """Every registered updater (its default configuration), each on its own table of
+    one model, trained on the same ids: `<layout>_every_updater.npz` (each table
+    and its state), which the test compares with one device's. A new updater
+    file is picked up without editing this."""
+    keras.backend.clear_session(free_memory=False)
+    keras.distribution.set_distribution(distribution(layout))
+    keras.utils.set_random_seed(9)
+    rows, width, n_ids = 256, 4, 3
+    ids_in = keras.Input((n_ids,), dtype="int32")
+    registry = sparseopt.updaters.registry(shipped_only=True)
+    tables = [sparseopt.layers.SparseEmbedding(
+        rows, width, entry(0.05, **entry.test_configs["default"]), name=f"u_{name.lower()}")
+        for name, entry in sorted(registry.items())]
+    model = keras.Model(ids_in, keras.layers.Add()([t(ids_in) for t in tables]))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()),
+                  loss=lambda y, p: keras.ops.sum(y * p, axis=(1, 2)))
+    rng = np.random.default_rng(10)
+    x = rng.integers(0, rows, (BATCH * STEPS, n_ids)).astype("int32")
+    x[::3, 0] = x[::3, 1]  # duplicates within and across examples
+    y = rng.normal(size=(BATCH * STEPS, n_ids, width)).astype("float32")
+    model.fit(this_process(x), this_process(y), batch_size=BATCH // jax.process_count(),
+              shuffle=False, verbose=0)
+    saved = {}
+    for table in tables:
+        saved[f"{table.name}/table"] = to_numpy(table.embeddings.value)
+        for name, variable in model.optimizer.table_state(table.embeddings).items():
+            saved[f"{table.name}/{name}"] = to_numpy(variable.value)
+    if jax.process_index() == 0:
+        np.savez(os.path.join(out, f"{layout}_every_updater.npz"), **saved)
+
+
 VOCABULARY_CAPACITY = 256  # 32 rows a shard over 8 devices; windows cross shards
 
 
@@ -593,6 +627,8 @@ def main():
             done(f"{layout} routing")
             run_whole_slots(layout, args.out)
             done(f"{layout} whole slots")
+            run_every_updater(layout, args.out)
+            done(f"{layout} every updater")
             run_vocabulary(layout, args.out)
             done(f"{layout} vocabulary")
         if jax.process_count() == 1 and layout in ("single", "rows8"):
