@@ -175,6 +175,7 @@ class _SignSGD(sparseopt.updaters.SGD):
     (sparseopt.updaters.Adagrad(0.1, clipnorm=1.0, clipvalue=0.5),
      r"Adagrad options \['clipnorm'\] have no Keras optimizer equivalent"),
     (sparseopt.updaters.SGD(0.1, momentum=0.9, lazy=False), r"SGD\(lazy=False\)"),
+    (sparseopt.updaters.Adam(0.1, swa_period=5), r"Adam\(swa_period=...\) has no Keras"),
     (sparseopt.updaters.Adagrad(0.1, state_dtype="bfloat16"),
      r"Adagrad storage settings \[\"state_dtype='bfloat16'\"\] have no Keras"),
     (sparseopt.updaters.Adam(0.1, stochastic_rounding=False, rounding_seed=4),
@@ -273,6 +274,9 @@ def test_rules_sparsecore_has_and_keras_has_not_map_field_by_field(updater):
     (sparseopt.updaters.Adagrad(0.1, state_dtype="float16"),
      r"Adagrad storage settings \[\"state_dtype='float16'\"\]: SparseCore stores"),
     (sparseopt.updaters.LaProp(0.1, state_dtype="bfloat16"), r"LaProp storage settings"),
+    (sparseopt.updaters.Adam(0.1, swa_period=4), r"Adam settings \['swa_period'\]"),
+    (sparseopt.updaters.RMSprop(0.1), r"RMSprop has no SparseCore optimizer spec"),
+    (sparseopt.updaters.Adafactor(0.1, lazy=False), r"Adafactor settings \['lazy=False'\]"),
 ])
 def test_settings_sparsecore_cannot_honour_are_refused(updater, message):
     pytest.importorskip("jax_tpu_embedding", reason="SparseCore specs: Linux x86-64 only")

@@ -39,6 +39,9 @@ _NEAREST = {
              _keras_and_ours("Adam")),
     "ScheduleFreeAdamW": ("its averaging moves every row every step", _keras_and_ours("Adam")),
 }
+# The Keras optimizers keras-rs converts to a SparseCore spec itself.
+_KERAS_RS_CONVERTS = (keras.optimizers.SGD, keras.optimizers.Adagrad, keras.optimizers.Adam,
+                      keras.optimizers.Ftrl)
 # Options with the same meaning on a table's summed row gradients.
 _CARRIED_OVER = ("clipvalue",)
 
@@ -130,6 +133,11 @@ def to_keras_optimizer(updater):
             "optimizer equivalent (Keras keeps state in the variable's dtype and rounds to "
             "nearest; a Keras optimizer on a keras-rs table converts back with the defaults: "
             "float32 state, stochastic rounding, seed 0); remove them to convert it.")
+    if updater.swa is not None:
+        raise ValueError(
+            f"sparseopt: {type(updater).__name__}(swa_period=...) has no Keras optimizer "
+            "equivalent (Keras has no stochastic weight averaging); remove swa_period to "
+            "convert it.")
     others = sorted(k for k, v in updater.options.items()
                     if k not in _CARRIED_OVER or not isinstance(v, float))
     if others:
@@ -198,12 +206,13 @@ def to_sparsecore_spec(updater):
     Raises:
         ImportError: where jax-tpu-embedding is not installed.
         ValueError: for settings SparseCore does not support, and for any
-            option (`clipvalue`, `weight_decay`, ...), `lazy=False` or
-            `ema_momentum`.
+            option (`clipvalue`, `weight_decay`, ...), `lazy=False`,
+            `ema_momentum` or `swa_period`, and for rules SparseCore lacks.
     """
     extras = sorted(updater.options) + updater.scheduled + (
         ["lazy=False"] if not updater.lazy else []) + (
-        ["ema_momentum"] if updater.ema_momentum is not None else [])
+        ["ema_momentum"] if updater.ema_momentum is not None else []) + (
+        ["swa_period"] if updater.swa is not None else [])
     storage = _storage_settings(updater)
     if storage:
         raise ValueError(
@@ -216,6 +225,12 @@ def to_sparsecore_spec(updater):
             "optimizer spec field here (keras-rs' conversion would drop them); remove them "
             "to convert it.")
     entry = type(updater).sparsecore_spec
+    keras_class = type(updater).keras_optimizer
+    if entry is None and keras_class is not None and keras_class not in _KERAS_RS_CONVERTS:
+        raise ValueError(
+            f"sparseopt: {type(updater).__name__} has no SparseCore optimizer spec "
+            "(jax-tpu-embedding has SGD, Adagrad, Adam, FTRL, AdagradMomentum, LaProp and "
+            "F2A); train this table with one of those on SparseCore, or off it.")
     if entry is not None:
         return getattr(_jte_specs(), entry.spec)(
             learning_rate=_jte_conversion().keras_to_jte_learning_rate(updater.learning_rate),
