@@ -164,6 +164,14 @@ def kinds(cases, keep):
     return [c if c in keep else pytest.param(c, marks=pytest.mark.thorough) for c in cases]
 
 
+def kinds_by_backend(cases, keep, keep_on_tensorflow):
+    """`kinds` with a shorter `make test` list on TensorFlow, whose steps compile in
+    about three times JAX's time: each rule's arithmetic is checked on JAX, and its
+    TensorFlow path on `keep_on_tensorflow` (`make test-all`: every case on both)."""
+    on_jax = keras.backend.backend() == "jax"
+    return kinds(cases, keep if on_jax else keep_on_tensorflow)
+
+
 def crossed(first, second, more_first=(), more_second=()):
     """Every pair of two axes as parameters (`a-b` ids); `make test` runs a rotation.
 

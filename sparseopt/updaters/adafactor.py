@@ -214,12 +214,12 @@ class Adafactor(Updater):
     def _dense_whole(self, state, sums, num_rows, step):
         v = ops.cast(num_rows, "float32")
         entries = state["entries"]  # V x D
-        width = entries / v
         b = self._decay(step)
         eps = self.value("epsilon_1", step)
         new = {}
         if self.factored:
             vc = b * state["vc"] + (1 - b) * (eps + sums["square"] / v)
+            width = float(state["vc"].shape[0])
             excess = b * state["excess"] + (1 - b) * ops.sum(sums["square"]) / width
             row_mean = eps + excess / v
             u_square = row_mean * ops.sum(sums["u_square"] / vc)
