@@ -71,16 +71,31 @@ class Adam(Updater):
 
 
 
-def set_betas(updater, beta_1, beta_2, epsilon):
+def set_betas(updater, beta_1, beta_2, epsilon, beta_1_fixed=lambda v: v == 0,
+              beta_1_schedule=True):
     """Sets (checked) `beta_1`, `beta_2`, `epsilon` of an Adam-family updater.
 
-    `beta_1 = 0` keeps no first moment (`momentum_slot`), so it is not a value
-    to change into, or out of, once built.
+    Args:
+        beta_1_fixed: as `Updater.hyperparameter`'s `fixed` for `beta_1`. By
+            default `beta_1 = 0` (Adam's: no first moment kept, no slot) is
+            not a value to change into, or out of, once built.
+        beta_1_schedule: whether `beta_1` may be a schedule.
     """
     updater.hyperparameter("beta_1", beta_1, lambda v: 0 <= v < 1, "in [0, 1)",
-                           fixed=lambda v: v == 0)
+                           fixed=beta_1_fixed, schedule=beta_1_schedule)
     updater.hyperparameter("beta_2", beta_2, lambda v: 0 <= v < 1, "in [0, 1)")
     updater.hyperparameter("epsilon", epsilon, lambda v: v >= 0, ">= 0")
+
+
+def moments(state, grads, b1, b2):
+    """Adam's moments of the touched rows: `(m, v)` from the `momentum` and `velocity` slots."""
+    return (b1 * state["momentum"] + (1 - b1) * grads,
+            b2 * state["velocity"] + (1 - b2) * ops.square(grads))
+
+
+def keras_betas(config):
+    """`{beta_1, beta_2, epsilon}` of a Keras Adam-family optimizer's config."""
+    return {k: config[k] for k in ("beta_1", "beta_2", "epsilon")}
 
 
 def unread_momentum(updater):

@@ -3,6 +3,7 @@
 import keras
 from keras import ops
 
+from sparseopt.updaters.adam import keras_betas, set_betas
 from sparseopt.updaters.base import SlotSpec, Updater
 
 
@@ -40,9 +41,8 @@ class Adamax(Updater):
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
                  name=None, **options):
         super().__init__(learning_rate, name=name, **options)
-        self.hyperparameter("beta_1", beta_1, lambda v: 0 <= v < 1, "in [0, 1)")
-        self.hyperparameter("beta_2", beta_2, lambda v: 0 <= v < 1, "in [0, 1)")
-        self.hyperparameter("epsilon", epsilon, lambda v: v >= 0, ">= 0")
+        # (beta_1 = 0 still reads `m`, this step's gradient: not fixed.)
+        set_betas(self, beta_1, beta_2, epsilon, beta_1_fixed=False)
         self.slots = (SlotSpec("momentum"), SlotSpec("norm"))
 
     def update(self, rows, state, grads, learning_rate, step):
@@ -60,5 +60,4 @@ class Adamax(Updater):
 
     @classmethod
     def from_keras(cls, learning_rate, config, where=""):
-        return cls(learning_rate, beta_1=config["beta_1"], beta_2=config["beta_2"],
-                   epsilon=config["epsilon"])
+        return cls(learning_rate, **keras_betas(config))

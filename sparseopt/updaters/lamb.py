@@ -3,6 +3,7 @@
 import keras
 from keras import ops
 
+from sparseopt.updaters.adam import keras_betas, moments, set_betas
 from sparseopt.updaters.base import SlotSpec, Updater
 
 
@@ -55,16 +56,13 @@ class Lamb(Updater):
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
                  name=None, **options):
         super().__init__(learning_rate, name=name, **options)
-        self.hyperparameter("beta_1", beta_1, lambda v: 0 <= v < 1, "in [0, 1)")
-        self.hyperparameter("beta_2", beta_2, lambda v: 0 <= v < 1, "in [0, 1)")
-        self.hyperparameter("epsilon", epsilon, lambda v: v >= 0, ">= 0")
+        set_betas(self, beta_1, beta_2, epsilon, beta_1_fixed=False)
         self.slots = (SlotSpec("momentum"), SlotSpec("velocity"))
 
     def update(self, rows, state, grads, learning_rate, step):
         t = ops.cast(step, "float32")
         b1, b2 = self.value("beta_1", step), self.value("beta_2", step)
-        m = b1 * state["momentum"] + (1 - b1) * grads
-        v = b2 * state["velocity"] + (1 - b2) * ops.square(grads)
+        m, v = moments(state, grads, b1, b2)
         r = (m / (1 - ops.power(b1, t))) / (ops.sqrt(v / (1 - ops.power(b2, t)))
                                             + self.value("epsilon", step))
         return rows - learning_rate * trust_ratio(rows, r) * r, {"momentum": m, "velocity": v}
@@ -75,5 +73,4 @@ class Lamb(Updater):
 
     @classmethod
     def from_keras(cls, learning_rate, config, where=""):
-        return cls(learning_rate, beta_1=config["beta_1"], beta_2=config["beta_2"],
-                   epsilon=config["epsilon"])
+        return cls(learning_rate, **keras_betas(config))

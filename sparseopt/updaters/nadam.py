@@ -3,6 +3,7 @@
 import keras
 from keras import ops
 
+from sparseopt.updaters.adam import keras_betas, moments, set_betas
 from sparseopt.updaters.base import SlotSpec, Updater
 
 
@@ -67,11 +68,8 @@ class Nadam(Updater):
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
                  name=None, **options):
         super().__init__(learning_rate, name=name, **options)
-        # Fixed: `P_t` is computed from it (a changed beta_1 would rewrite the past).
-        self.hyperparameter("beta_1", beta_1, lambda v: 0 <= v < 1, "in [0, 1)", fixed=True,
-                            schedule=False)
-        self.hyperparameter("beta_2", beta_2, lambda v: 0 <= v < 1, "in [0, 1)")
-        self.hyperparameter("epsilon", epsilon, lambda v: v >= 0, ">= 0")
+        # beta_1 fixed: `P_t` is computed from it (a changed one would rewrite the past).
+        set_betas(self, beta_1, beta_2, epsilon, beta_1_fixed=True, beta_1_schedule=False)
         self.slots = (SlotSpec("momentum"), SlotSpec("velocity"))
 
     def update(self, rows, state, grads, learning_rate, step):
@@ -79,8 +77,7 @@ class Nadam(Updater):
         b1, b2 = self.value("beta_1", step), self.value("beta_2", step)
         u_t, u_next = momentum_schedule(b1, t), momentum_schedule(b1, t + 1)
         product = momentum_product(b1, t)  # P_t
-        m = b1 * state["momentum"] + (1 - b1) * grads
-        v = b2 * state["velocity"] + (1 - b2) * ops.square(grads)
+        m, v = moments(state, grads, b1, b2)
         m_hat = u_next * m / (1 - product * u_next) + (1 - u_t) * grads / (1 - product)
         v_hat = v / (1 - ops.power(b2, t))
         delta = learning_rate * m_hat / (ops.sqrt(v_hat) + self.value("epsilon", step))
@@ -92,5 +89,4 @@ class Nadam(Updater):
 
     @classmethod
     def from_keras(cls, learning_rate, config, where=""):
-        return cls(learning_rate, beta_1=config["beta_1"], beta_2=config["beta_2"],
-                   epsilon=config["epsilon"])
+        return cls(learning_rate, **keras_betas(config))
