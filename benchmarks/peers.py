@@ -55,6 +55,7 @@ MEMORY_TABLES = {"sparseopt-sgd": 4, "sparseopt-adagrad": 5, "sparseopt-rowwise_
                  "sparseopt-adamax": 6, "sparseopt-nadam": 6, "sparseopt-lion": 5,
                  "sparseopt-lamb": 6, "sparseopt-adafactor": 5,
                  "sparseopt-adafactor_dense": 5, "sparseopt-adam_swa": 7,
+                 "sparseopt-adam_lookahead": 7,
                  "sparseopt-ftrl": 6, "keras-adagrad": 6, "keras-adam": 7,
                  "fbgemm-rowwise_adagrad": 1.2, "fbgemm-adagrad": 2.2}
 PROCESS_GB = {"jax": 1.0, "tensorflow": 1.2, "torch": 0.6}
@@ -100,7 +101,8 @@ def _updater(name):
             "lamb": lambda: u.Lamb(TABLE_LR),
             "adafactor": lambda: u.Adafactor(TABLE_LR),
             "adafactor_dense": lambda: u.Adafactor(TABLE_LR, lazy=False),
-            "adam_swa": lambda: u.Adam(TABLE_LR, swa_period=10)}[name]()
+            "adam_swa": lambda: u.Adam(TABLE_LR, swa_period=10),
+            "adam_lookahead": lambda: u.Adam(TABLE_LR, lookahead_period=5)}[name]()
 
 
 def build_keras(peer, rows, batch):

@@ -1,7 +1,8 @@
 """Every updater, option and mode side by side: what each rule costs per step.
 
     python benchmarks/updaters.py --quick    # 100k rows, batch 1,024: ~2 min
-    python benchmarks/updaters.py            # 1M rows, batches 1,024 and 4,096: ~6 min
+    python benchmarks/updaters.py            # 1M rows, batches 1,024 and 4,096: ~7 min
+    python benchmarks/updaters.py --updaters sgd adam adam_lookahead   # some rows only
 
 The suite's model (peers.py: ids [batch, 16] -> one table [rows, 32], sum
 pooled -> Dense(1), Adam for the dense part), trained with each sparseopt
@@ -25,7 +26,7 @@ import run
 UPDATERS = ["sgd", "sgd_momentum", "adagrad", "rowwise_adagrad", "adagrad_momentum", "adam",
             "partial_rowwise_adam", "laprop", "frequency_aware_adagrad", "ftrl", "adam_options",
             "sgd_momentum_dense", "adam_ema", "rmsprop", "adamax", "nadam", "lion", "lamb",
-            "adafactor", "adafactor_dense", "adam_swa"]
+            "adafactor", "adafactor_dense", "adam_swa", "adam_lookahead"]
 LABELS = {"sgd": "SGD", "sgd_momentum": "SGD(momentum=0.9)", "adagrad": "Adagrad",
           "rowwise_adagrad": "RowwiseAdagrad", "adagrad_momentum": "AdagradMomentum(0.9)",
           "adam": "Adam", "partial_rowwise_adam": "PartialRowwiseAdam", "laprop": "LaProp",
@@ -35,7 +36,8 @@ LABELS = {"sgd": "SGD", "sgd_momentum": "SGD(momentum=0.9)", "adagrad": "Adagrad
           "sgd_momentum_dense": "SGD(momentum=0.9, weight_decay, lazy=False)",
           "adam_ema": "Adam(ema_momentum=0.99)", "rmsprop": "RMSprop", "adamax": "Adamax",
           "nadam": "Nadam", "lion": "Lion", "lamb": "Lamb", "adafactor": "Adafactor",
-          "adafactor_dense": "Adafactor(lazy=False)", "adam_swa": "Adam(swa_period=10)"}
+          "adafactor_dense": "Adafactor(lazy=False)", "adam_swa": "Adam(swa_period=10)",
+          "adam_lookahead": "Adam(lookahead_period=5)"}
 PEERS = {"jax": [f"sparseopt-{u}" for u in UPDATERS] + ["keras-adam"],
          "tensorflow": [f"sparseopt-{u}" for u in UPDATERS] + ["keras-adam"],
          "torch": ["fbgemm-sgd", "fbgemm-adagrad", "fbgemm-rowwise_adagrad"]}
@@ -43,14 +45,14 @@ FBGEMM_OF = {"sgd": "fbgemm-sgd", "adagrad": "fbgemm-adagrad",
              "rowwise_adagrad": "fbgemm-rowwise_adagrad"}
 
 
-def table(results, rows, batches, frameworks):
+def table(results, rows, batches, frameworks, chosen=UPDATERS):
     """Markdown: one row per updater, step ms (x SGD on that backend) per backend and batch."""
     ms = {(r["framework"], r["peer"], r["batch"]): r.get("median_ms") for r in results}
     cols = [(fw, b) for fw in frameworks if fw != "torch" for b in batches]
     head = " | ".join(f"{fw} b{b:,}" for fw, b in cols)
     lines = [f"| updater ({rows:,} rows) | {head} | FBGEMM (same rule) |",
              "|---|" + "---|" * (len(cols) + 1)]
-    for u in UPDATERS + ["keras-adam"]:
+    for u in [u for u in UPDATERS if u in chosen] + ["keras-adam"]:
         peer = u if u == "keras-adam" else f"sparseopt-{u}"
         cells = []
         for fw, b in cols:
@@ -73,7 +75,10 @@ def main():
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--budget", type=float)
     parser.add_argument("--frameworks", nargs="*", default=["jax", "tensorflow", "torch"])
+    parser.add_argument("--updaters", nargs="*", choices=UPDATERS,
+                        help="time these rows only (sgd, the ratios' base, is always timed)")
     args = parser.parse_args()
+    chosen = ["sgd"] + [u for u in (args.updaters or UPDATERS) if u != "sgd"]
     args.rounds = args.rounds or (3 if args.quick else 5)
     args.budget = args.budget or (0.15 if args.quick else 0.4)
     frameworks = list(args.frameworks)
@@ -84,11 +89,14 @@ def main():
     rows = 100_000 if args.quick else 1_000_000
     batches = [1024] if args.quick else [1024, 4096]
     start = time.time()
-    results = run.run_groups(run.slots_for(frameworks, PEERS, [rows], batches), args, "updaters")
-    print(table(results, rows, batches, frameworks))
+    peers = {fw: [p for p in names if p.split("-", 1)[1] in chosen or not args.updaters]
+             for fw, names in PEERS.items()}
+    results = run.run_groups(run.slots_for(frameworks, peers, [rows], batches), args, "updaters")
+    print(table(results, rows, batches, frameworks, chosen))
     minutes = (time.time() - start) / 60
     print(f"({minutes:.1f} min)")
-    out = run.RESULTS / ("updaters_quick.json" if args.quick else "updaters.json")
+    out = run.RESULTS / ("updaters_quick.json" if args.quick else "updaters.json"
+                         if not args.updaters else "updaters_some.json")
     if args.quick:
         out = run.QUICK_RESULTS / "updaters.json"
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -561,6 +561,8 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                 unit.apply(step, iteration, scale)
             else:
                 unit.finish(prepared[i], iteration, scale, factor)
+        for trainer in self._trainers.values():  # (Lookahead's sync, looked up or not)
+            trainer.end_step(iteration)
 
     # -- saving: everything but the dedup workspace ---------------------------
 

@@ -17,6 +17,7 @@ from keras import ops
 from sparseopt import backend, compat, precision, storage, updaters
 from sparseopt.updaters import hyperparameters
 from sparseopt.distribution import layout_like, replicated_beside
+from sparseopt.lookahead_window import LookaheadWindow
 from sparseopt.sparse_apply import (
     MAX_GROUP_ROWS, as_computed, finish, finish_group, prepare, prepare_group, sparse_apply)
 
@@ -43,6 +44,11 @@ class _Filled(keras.initializers.Initializer):
 
     def __call__(self, shape, dtype=None):
         return ops.full(shape, self.value, dtype=dtype)
+
+
+# The stochastic-rounding stream of Lookahead's sync writes (the table's own
+# writes are 0, its slots' `1 + i`).
+SYNC_ROUNDING = 255
 
 
 class TableTrainer:
@@ -73,6 +79,8 @@ class TableTrainer:
         # False where `exclude_from_weight_decay` names the table: its updater's
         # `weight_decay` reads 0 for it.
         self.decays = True
+        # `lookahead_period`: the rows changed in the current window (set by `build`).
+        self.lookahead = None
         self._optimizer = None  # weak reference to the optimizer that built it
 
     @property
@@ -129,6 +137,9 @@ class TableTrainer:
             self.hyperparameters[name] = optimizer.add_variable(
                 shape=(), dtype="float32", initializer=_Filled(value),
                 name=f"{prefix}_hyperparameter_{name}")
+        if self.updater.lookahead is not None:
+            self.lookahead = LookaheadWindow(*self.updater.lookahead)
+            self.lookahead.build(optimizer, table, prefix)
         self._optimizer = weakref.ref(optimizer)
         self.updater.bind(self)
 
@@ -173,9 +184,10 @@ class TableTrainer:
 
     @property
     def saved_variables(self):
-        """What a checkpoint holds for this table: its state, skip count and
-        hyperparameters, in the order they were created."""
-        return [*self.slots.values(), self.skipped, *self.hyperparameters.values()]
+        """What a checkpoint holds for this table: its state, skip count,
+        hyperparameters and Lookahead window, in the order they were created."""
+        window = self.lookahead.variables if self.lookahead is not None else []
+        return [*self.slots.values(), self.skipped, *self.hyperparameters.values(), *window]
 
     def legacy_saved(self):
         """What sparseopt 0.2 saved for this table, as `[(variable or None, shape)]`.
@@ -203,6 +215,9 @@ class TableTrainer:
             iteration: the optimizer's 0-based step count (scalar tensor).
             learning_rate_scale: as for `values_at`.
         """
+        if self.lookahead is not None:  # (`finish` lists the rows it changes)
+            self.finish(self.prepare(record), iteration, learning_rate_scale)
+            return
         values = self.values_at(iteration, learning_rate_scale)
         applied = sparse_apply(self.updater, self.table, self.slots, record,
                                values["learning_rate"], iteration + 1, self.workspace,
@@ -253,7 +268,28 @@ class TableTrainer:
         applied = finish(self.updater, self.table, self.slots, prepared, values, iteration + 1,
                          self.workspace, self.rounding, factor)
         self.count_skipped(applied)
+        if self.lookahead is not None:
+            self.lookahead.record(prepared.global_distinct(), applied, iteration + 1,
+                                  self.table.shape[0])
         self._accept(prepared.record, applied, iteration)
+
+    def end_step(self, iteration):
+        """What follows every table's update in a step: Lookahead's sync where the
+        step ends a window, whether or not the table was looked up in it.
+
+        Args:
+            iteration: the optimizer's 0-based step count (scalar tensor).
+        """
+        if self.lookahead is None:
+            return
+        step = iteration + 1
+        offset = self.slots[updaters.lookahead.OFFSET_SLOT]
+
+        def sync():
+            self.lookahead.sync(self.table, offset, step, self.rounding, SYNC_ROUNDING)
+
+        backend.run_if(updaters.lookahead.syncs_at(step, self.lookahead.period), sync,
+                       [self.table, offset, *self.lookahead.variables])
 
     def count_skipped(self, applied):
         """Counts the step as skipped unless `applied` (a boolean scalar tensor)."""
@@ -344,8 +380,10 @@ class TableTrainer:
         table placed by a `keras.distribution` stays alone: its update is
         laid out by its own sharding.
         """
-        if compat.layout_of(self.table) is not None or self.vocabulary is not None:
-            return None  # (an open vocabulary's step continues after the rule)
+        if (compat.layout_of(self.table) is not None or self.vocabulary is not None
+                or self.updater.lookahead is not None):
+            # (An open vocabulary's step and Lookahead's window continue after the rule.)
+            return None
         updater = self.updater
         cls = type(updater)
         if updaters.registry(shipped_only=True).get(cls.__name__) is cls:

@@ -115,6 +115,16 @@ def test_dense_adafactor_keeps_its_table_statistics_without_vocab_work(factored)
     assert_no_vocab_work(vocab_sized_work(model, data))
 
 
+def test_lookaheads_window_and_sync_do_no_vocab_work():
+    """`lookahead_period`: the window's list (a `[V]` array) is appended to and its
+    rows synced by gathers and in-place writes; a period of 1 syncs every step,
+    so the sync is in the step checked."""
+    updater = sparseopt.updaters.Adam(0.1, lookahead_period=1)
+    model, data = make_model(sparseopt.DispatchOptimizer(keras.optimizers.Adam()),
+                             updater=updater)
+    assert_no_vocab_work(vocab_sized_work(model, data))
+
+
 def test_a_step_of_more_distinct_ids_than_one_pass_takes_is_in_place_too():
     """10,240 distinct ids: JAX updates them 8,192 at a time in a loop that carries the
     table, which must still be updated in place."""

@@ -72,6 +72,14 @@ def _model(name, vocab, mode):
     return _models[key]
 
 
+# Gradient scales: 0, or large enough that the gradients' squares are normal
+# float32 numbers. Below that float32 flushes them to zero (XLA:CPU flushes
+# subnormals) where the float64 reference keeps them, and a rule that
+# normalizes its update (Lamb's trust ratio) turns that into a full step in the
+# reference and none here (Keras' own float32 Lamb takes none either).
+SCALES = st.one_of(st.just(0.0), st.floats(-4, 4).filter(lambda s: abs(s) >= 1e-15))
+
+
 @st.composite
 def steps(draw, vocab):
     """1-3 steps: id batches (one per table) mixing valid, hot and bad ids; gradients,
@@ -87,7 +95,7 @@ def steps(draw, vocab):
                                         min_size=size, max_size=size)), "int32")
                  for rows in (vocab, OTHER_VOCAB)]
         poison = draw(st.sampled_from([None] * 6 + [np.nan, np.inf, -np.inf]))
-        out.append((batch, draw(st.floats(-4, 4)), poison, draw(st.integers(0, 2**16))))
+        out.append((batch, draw(SCALES), poison, draw(st.integers(0, 2**16))))
     return out
 
 

@@ -63,6 +63,12 @@ CONTRACT = {
     "first_true": "`first_true(mask, k)`: int32 positions of the first (at most) `k` True "
                   "entries of a bool `[N]` mask, in order: `[k]`, -1 past them, where shapes "
                   "are static (JAX); exactly those where they need not be (TF).",
+    "for_listed_rows": "`for_listed_rows(update, variables, ids, count)`: runs "
+                       "`update(variables, ids)` on the first `count` entries of an int32 "
+                       "list; where shapes are static (JAX) in chunks of `DISTINCT_CHUNK` "
+                       "that may also hold later entries or repeat earlier ones, so "
+                       "`update` must leave out the entries it does not want and write "
+                       "nothing new when run twice (TF: exactly the `count` first).",
     "STATEFUL_APPLY": "whether an optimizer step may write any variable (TF); where not "
                       "(JAX's stateless apply), only trainable and optimizer variables.",
     "bitcast": "`bitcast(values, dtype)`: the same bits as another 32-bit dtype (float32 and "

@@ -188,6 +188,32 @@ def _chunks(distinct, num_rows):
     return take, (count + size - 1) // size
 
 
+def for_listed_rows(update, variables, ids, count):
+    """`update(variables, chunk)` over the `count` first entries of `ids`, in place.
+
+    Chunks of `DISTINCT_CHUNK` entries, as many as `count` takes, sliced out
+    of `ids` as it is (no padded copy of a list that may have an entry per
+    table row); the last chunk ends at the list's end, so it may repeat
+    entries of the one before, and entries past `count` come along:
+    `update` leaves those out itself and is idempotent.
+    """
+    n, size = ids.shape[0], DISTINCT_CHUNK
+    if n <= size:
+        update(variables, ids)
+        return
+
+    def chunk(i, values):
+        held = [Held(v) for v in values]
+        start = jnp.minimum(i * size, n - size)
+        update(held, jax.lax.dynamic_slice_in_dim(ids, start, size))
+        return [h.value for h in held]
+
+    trips = (count + size - 1) // size
+    values = jax.lax.fori_loop(0, trips, chunk, [v.value for v in variables])
+    for var, value in zip(variables, values):
+        var.assign(value)
+
+
 def split_by_table(distinct, offsets, sizes):
     """Each table's part of a group's `dedup`, as that table's own `dedup` result.
 

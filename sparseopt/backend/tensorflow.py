@@ -430,6 +430,11 @@ def first_true(mask, k):
     return tf.cast(tf.where(mask)[:k, 0], tf.int32)
 
 
+def for_listed_rows(update, variables, ids, count):
+    # A gather of the `count` first (a slice would read the whole list first).
+    update(variables, gather(ids, tf.range(count)))
+
+
 # Keras' TF optimizers run eagerly or in a graph on real variables: an
 # optimizer step may write any variable.
 STATEFUL_APPLY = True

@@ -23,7 +23,7 @@ import keras
 from keras import ops
 
 from sparseopt import storage
-from sparseopt.updaters import catch_up, hyperparameters, swa
+from sparseopt.updaters import catch_up, hyperparameters, lookahead, swa
 from sparseopt.updaters.transforms import (
     OPTIONS, check_options, chain, transforms_from, value_at)
 
@@ -155,6 +155,8 @@ EMA_OFFSET = SlotSpec(catch_up.EMA_OFFSET_SLOT)
 # Where `swa_period`: the row's average over the snapshots counted, and their number.
 SWA_AVERAGE = SlotSpec(swa.AVERAGE_SLOT)
 SWA_COUNT = SlotSpec(swa.COUNT_SLOT, rowwise=True, initial_value=0, dtype="int32")
+# Where `lookahead_period`: the row's slow copy minus the row (0 for a clean row).
+LOOKAHEAD_OFFSET = SlotSpec(lookahead.OFFSET_SLOT)
 
 
 class Updater:
@@ -200,6 +202,13 @@ class Updater:
             `t - 1 >= swa_start` and `(t - 1 - swa_start) % swa_period == 0`),
             exact at sparse cost (`sparseopt.updaters.swa`); at the end of
             `fit` the table takes the average. `None` (default): off.
+        lookahead_period, lookahead_step_size: Lookahead (TF Addons'
+            `Lookahead`: after the update of every step `t` with
+            `t % lookahead_period == 0`, `slow <- slow + lookahead_step_size *
+            (fast - slow)` and `fast <- slow`), exact at sparse cost: only
+            the rows changed in the window are synced
+            (`sparseopt.updaters.lookahead`). The table always holds the
+            fast weights. `None` (default): off; the step size defaults to 0.5.
         state_dtype, stochastic_rounding, rounding_seed: how the tables
             it trains store their state and write 16-bit values, for tables
             that do not say so themselves. They belong to the table: give
@@ -274,7 +283,8 @@ class Updater:
 
     def __init__(self, learning_rate, name=None, lazy=True, ema_momentum=None,
                  state_dtype="float32", stochastic_rounding=True, rounding_seed=0,
-                 follow_learning_rate=True, swa_period=None, swa_start=0, **options):
+                 follow_learning_rate=True, swa_period=None, swa_start=0,
+                 lookahead_period=None, lookahead_step_size=0.5, **options):
         owner = type(self).__name__
         # Every float the step reads: the learning rate, the rule's
         # hyperparameters, the numeric options (`sparseopt.updaters.hyperparameters`).
@@ -294,6 +304,8 @@ class Updater:
         self.ema_momentum = None if ema_momentum is None else float(ema_momentum)
         # `(start, period)` of stochastic weight averaging, or None.
         self.swa = swa.check(owner, swa_start, swa_period)
+        # `(period, step_size)` of Lookahead, or None.
+        self.lookahead = lookahead.check(owner, lookahead_period, lookahead_step_size)
         # The table's storage, given here (the older spelling; `sparseopt.storage`).
         self.state_dtype, self.stochastic_rounding, self.rounding_seed = storage.checked(
             owner, state_dtype, stochastic_rounding, rounding_seed)
@@ -487,17 +499,44 @@ class Updater:
                    "which has no closed form here. Use lazy=True with swa_period."
                    if moves_untouched else "both would give the table their average at the "
                    "end of `fit`. Use one or the other."))
+        if self.lookahead is not None:
+            self._check_lookahead(moves_untouched)
         if self.ema_momentum is not None and not self.lazy:
             raise ValueError(
                 f"{type(self).__name__}: `ema_momentum` with lazy=False is not supported: "
                 "the moving average of a row that moves while untouched has no exact closed "
                 "form here. Use one or the other.")
 
+    def _check_lookahead(self, moves_untouched):
+        """Refuses what Lookahead's sparse sync cannot be exact with, saying why."""
+        owner = type(self).__name__
+        if moves_untouched:
+            raise ValueError(
+                f"{owner}: `lookahead_period` with lazy=False is not supported: rows that "
+                "move while untouched would need a sync of every row every window "
+                "(whole-table work). Use lazy=True with lookahead_period.")
+        if self.ema_momentum is not None or self.swa is not None:
+            other = "ema_momentum" if self.ema_momentum is not None else "swa_period"
+            raise ValueError(
+                f"{owner}: `lookahead_period` with `{other}` is not supported: the "
+                f"{'moving' if other == 'ema_momentum' else 'weight'} average follows rows "
+                "that change only when touched, and the sync also changes rows the step did "
+                "not touch. Use one or the other.")
+        derived = [s.name for s in self.__dict__.get("_rule_slots", ())
+                   if s.from_table is not None]
+        if derived:
+            raise ValueError(
+                f"{owner}: `lookahead_period` is not supported with state kept from the "
+                f"whole table's values {derived} (lazy=False): the sync changes rows outside "
+                "the rule, which that state would not see. Use lazy=True with "
+                "lookahead_period.")
+
     @property
     def slots(self):
         """The state slots: the rule's (but `unread_slots`), then the row's last step where
         `lazy=False` or `ema_momentum` is set, then the moving average's offset where
-        `ema_momentum` is."""
+        `ema_momentum` is, the SWA average and count where `swa_period` is, the
+        offset from the slow copy where `lookahead_period` is."""
         unread = set(self.__dict__.get("_unread_slots", ()))
         return tuple(s for s in self.legacy_slots if s.name not in unread)
 
@@ -521,6 +560,8 @@ class Updater:
         own = self.__dict__.get("_rule_slots", ())
         ema = self.__dict__.get("ema_momentum") is not None
         averaged = (SWA_AVERAGE, SWA_COUNT) if self.__dict__.get("swa") else ()
+        if self.__dict__.get("lookahead"):
+            averaged += (LOOKAHEAD_OFFSET,)
         if ema:
             return own + (LAST_STEP, EMA_OFFSET) + averaged
         generic = not self.__dict__.get("lazy", True) and not self.dense_in_rule
@@ -538,7 +579,8 @@ class Updater:
         `tf_kernel()` where no option is set and the updater is lazy: kernels
         know the bare rule only.
         """
-        if self.transforms or self.tracks_rows or self.scheduled or self.swa:
+        if (self.transforms or self.tracks_rows or self.scheduled or self.swa
+                or self.lookahead):
             return None
         return self.tf_kernel()
 
@@ -548,14 +590,21 @@ class Updater:
         Same arguments and result as `update`. With `lazy=False` the rows
         first catch up on the steps they missed (`sparseopt.updaters.catch_up`).
         """
-        if self.swa is not None:  # the rule, then the row's average (`swa`)
-            own = {k: v for k, v in state.items() if k not in (swa.AVERAGE_SLOT, swa.COUNT_SLOT)}
-            new_rows, new_state = self._rule_with_catch_up(rows, own, grads, learning_rate,
-                                                           step)
-            average, count = swa.step(state[swa.AVERAGE_SLOT], state[swa.COUNT_SLOT], rows,
-                                      new_rows, step, *self.swa)
-            return new_rows, {**new_state, swa.AVERAGE_SLOT: average, swa.COUNT_SLOT: count}
-        return self._rule_with_catch_up(rows, state, grads, learning_rate, step)
+        if self.swa is None and self.lookahead is None:
+            return self._rule_with_catch_up(rows, state, grads, learning_rate, step)
+        # The rule, then what follows the row: its average (`swa`), its offset
+        # from the slow copy (`lookahead`).
+        own = {k: v for k, v in state.items()
+               if k not in (swa.AVERAGE_SLOT, swa.COUNT_SLOT, lookahead.OFFSET_SLOT)}
+        new_rows, new_state = self._rule_with_catch_up(rows, own, grads, learning_rate, step)
+        new_state = dict(new_state)
+        if self.swa is not None:
+            new_state[swa.AVERAGE_SLOT], new_state[swa.COUNT_SLOT] = swa.step(
+                state[swa.AVERAGE_SLOT], state[swa.COUNT_SLOT], rows, new_rows, step, *self.swa)
+        if self.lookahead is not None:
+            new_state[lookahead.OFFSET_SLOT] = lookahead.offset_after(
+                state[lookahead.OFFSET_SLOT], rows, new_rows)
+        return new_rows, new_state
 
     def _rule_with_catch_up(self, rows, state, grads, learning_rate, step):
         if not self.tracks_rows:
@@ -650,6 +699,9 @@ class Updater:
             options["ema_momentum"] = self.ema_momentum
         if self.swa is not None:
             options.update(swa_start=self.swa[0], swa_period=self.swa[1])
+        if self.lookahead is not None:
+            options.update(lookahead_period=self.lookahead[0],
+                           lookahead_step_size=self.lookahead[1])
         # Settings, where not the defaults (older configs load unchanged).
         for key, default in {**STORAGE_DEFAULTS, "follow_learning_rate": True}.items():
             if getattr(self, key) != default:

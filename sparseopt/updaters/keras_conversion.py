@@ -138,6 +138,11 @@ def to_keras_optimizer(updater):
             f"sparseopt: {type(updater).__name__}(swa_period=...) has no Keras optimizer "
             "equivalent (Keras has no stochastic weight averaging); remove swa_period to "
             "convert it.")
+    if updater.lookahead is not None:
+        raise ValueError(
+            f"sparseopt: {type(updater).__name__}(lookahead_period=...) has no Keras "
+            "optimizer equivalent (Keras has no Lookahead); remove lookahead_period to "
+            "convert it.")
     others = sorted(k for k, v in updater.options.items()
                     if k not in _CARRIED_OVER or not isinstance(v, float))
     if others:
@@ -207,12 +212,14 @@ def to_sparsecore_spec(updater):
         ImportError: where jax-tpu-embedding is not installed.
         ValueError: for settings SparseCore does not support, and for any
             option (`clipvalue`, `weight_decay`, ...), `lazy=False`,
-            `ema_momentum` or `swa_period`, and for rules SparseCore lacks.
+            `ema_momentum`, `swa_period` or `lookahead_period`, and for rules
+            SparseCore lacks.
     """
     extras = sorted(updater.options) + updater.scheduled + (
         ["lazy=False"] if not updater.lazy else []) + (
         ["ema_momentum"] if updater.ema_momentum is not None else []) + (
-        ["swa_period"] if updater.swa is not None else [])
+        ["swa_period"] if updater.swa is not None else []) + (
+        ["lookahead_period"] if updater.lookahead is not None else [])
     storage = _storage_settings(updater)
     if storage:
         raise ValueError(

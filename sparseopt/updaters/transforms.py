@@ -192,13 +192,12 @@ OPTIONS = {
 }
 
 
-# Wrappers people ask for that have no exact sparse form here, and why.
+# Wrappers people ask for by another name: what to give instead.
 REFUSED = {
     "swa": "stochastic weight averaging is the updater argument `swa_period` (with "
            "`swa_start`), exact at sparse cost",
-    "lookahead": "lookahead's sync (every k steps, of the rows touched in the window) is not "
-                 "offered for tables yet; use `swa_period` or `ema_momentum` to average "
-                 "the table instead",
+    "lookahead": "Lookahead is the updater argument `lookahead_period` (with "
+                 "`lookahead_step_size`), exact at sparse cost",
 }
 
 

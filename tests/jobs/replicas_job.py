@@ -73,7 +73,9 @@ def recommender(group_tables=False, **options):
             50, WIDTH, up.Adagrad(0.3), name="user")(inputs["user_ids"])),
         keras.layers.Flatten()(sparseopt.layers.SparseEmbedding(
             60, WIDTH, up.Adagrad(0.3), name="user2")(inputs["user2_ids"])),
-        sparseopt.layers.SparseEmbedding(30, WIDTH, up.SGD(0.2, momentum=0.9),
+        # (Lookahead: its window's list and sync, in each replica's copy.)
+        sparseopt.layers.SparseEmbedding(30, WIDTH, up.SGD(0.2, momentum=0.9,
+                                                            lookahead_period=3),
                                          combiner="mean", name="item")(inputs["item_ids"]),
         sparseopt.layers.SparseEmbedding(40, WIDTH, up.SGD(0.1, momentum=0.5, lazy=False),
                                          combiner="sum", name="tag")(inputs["tag_ids"]),

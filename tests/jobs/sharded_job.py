@@ -21,8 +21,8 @@ batches, in this one process, and leaves in OUT_DIR:
   their owner in one round and in several (`run_routing`);
 - `<layout>_whole.npz` (the same): a table whose rule keeps whole-table
   state (`run_whole_slots`);
-- `<layout>_every_updater.npz`: every registered updater on a table of its own
-  (`run_every_updater`);
+- `<layout>_every_updater.npz`: every registered updater on a table of its own,
+  and Adam with Lookahead (`run_every_updater`);
 - `<layout>_vocabulary.npz`, `.json` (the same): an open vocabulary
   (`run_vocabulary`);
 - `reshard_<i>_{loaded,saved}.npz`: a run saved under one layout and loaded
@@ -384,6 +384,9 @@ def run_every_updater(layout, out):
     tables = [sparseopt.layers.SparseEmbedding(
         rows, width, entry(0.05, **entry.test_configs["default"]), name=f"u_{name.lower()}")
         for name, entry in sorted(registry.items())]
+    # Lookahead: its sync also writes rows the step did not touch (from the window's list).
+    tables.append(sparseopt.layers.SparseEmbedding(
+        rows, width, sparseopt.updaters.Adam(0.05, lookahead_period=5), name="lookahead_adam"))
     model = keras.Model(ids_in, keras.layers.Add()([t(ids_in) for t in tables]))
     model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()),
                   loss=lambda y, p: keras.ops.sum(y * p, axis=(1, 2)))
