@@ -107,8 +107,8 @@ class LookaheadWindow:
             # Entries past `count` (the list's older contents) are not rows of
             # this window unless listed again in it: left alone. A row synced
             # twice is not changed the second time (its offset is 0 by then).
-            keep = ops.logical_and(ops.equal(backend.gather(window, uniq), current),
-                                   ops.less(uniq, table_.shape[0]))
+            # (Every entry is a row: `record` lists valid ids only.)
+            keep = ops.equal(backend.gather(window, uniq), current)
             rows = ops.cast(backend.gather(table_.value, uniq), "float32")
             moved = ops.cast(backend.gather(offset_.value, uniq), "float32")
             new_rows = lookahead.synced(rows, moved, self.step_size)
