@@ -88,7 +88,7 @@ def clicks(rng, table_rows, examples, dense_features, a=1.2):
 
 def recommender(tables, width, *, sparse=True, combiner="sum", initializer="uniform",
                 dense_features=0, bottom=None, top=(), loss="mse", dense_optimizer=None,
-                metrics=None, table_dtype=None, storage=None):
+                metrics=None, table_dtype=None, storage=None, rows_per_step=None):
     """The toy recommender every benchmark trains, compiled.
 
     One input `<name>` per table (ids `[batch, bag]`; a model of one table and
@@ -113,6 +113,8 @@ def recommender(tables, width, *, sparse=True, combiner="sum", initializer="unif
         metrics: Keras metrics to compile with.
         table_dtype: the sparseopt tables' dtype (None: float32).
         storage: the sparseopt tables' `sparseopt.TableStorage` (None: the default).
+        rows_per_step: int8 tables' write buffer rows (`SparseEmbedding`'s;
+            None: its default).
 
     Returns:
         The compiled `keras.Model`.
@@ -128,8 +130,9 @@ def recommender(tables, width, *, sparse=True, combiner="sum", initializer="unif
         if sparse:
             pooled.append(sparseopt.layers.SparseEmbedding(
                 rows, width, updater=rule, combiner=combiner, name=f"{name}_table",
-                embeddings_initializer=initializer, dtype=table_dtype,
-                storage=storage)(inputs[name]))
+                embeddings_initializer=initializer, dtype=table_dtype, storage=storage,
+                **({"rows_per_step": rows_per_step} if table_dtype == "int8" else {}))(
+                    inputs[name]))
         else:
             rows_read = keras.layers.Embedding(rows, width, name=f"{name}_table",
                                                embeddings_initializer=initializer)(inputs[name])

@@ -1,5 +1,5 @@
-"""16-bit tables: a Criteo-shaped DLRM in float32, bfloat16 rounded to nearest, and
-bfloat16 with stochastic rounding, side by side in one run.
+"""16-bit and 8-bit tables: a Criteo-shaped DLRM in float32, bfloat16 (rounded to
+nearest or stochastically), float16 and int8, side by side in one run.
 
     python benchmarks/precision.py --quick   # 600k examples: ~4 min a backend
     python benchmarks/precision.py           # 2.4M examples: ~8 min a backend
@@ -18,7 +18,11 @@ the validation loss and AUC after each chunk. Variants:
 - `bfloat16, stochastic`: bfloat16 tables, float32 state, stochastic
   rounding (the default for 16-bit tables);
 - `bfloat16, bf16 state, stochastic`: state in bfloat16 too;
-- `float16, stochastic`: float16 tables, float32 state.
+- `float16, stochastic`: float16 tables, float32 state;
+- `int8, nearest` and `int8, stochastic`: int8 codes with a float32 scale per
+  row (`SparseEmbedding(dtype="int8")`), float32 state, written rounded to
+  nearest or stochastically (the default). Their initial tables are the
+  float32 model's, quantized to nearest.
 
 Then the step time of each variant, timed round-robin on the same batches
 (alternating variants, so the machine's drift hits all alike), the bytes of
@@ -41,6 +45,7 @@ import numpy as np  # noqa: E402
 
 import common  # noqa: E402
 import sparseopt  # noqa: E402
+from sparseopt import quantization  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
 RESULTS = HERE / "results"
@@ -50,6 +55,8 @@ VARIANTS = {
     "bfloat16, stochastic": ("bfloat16", {}),
     "bfloat16, bf16 state, stochastic": ("bfloat16", {"state_dtype": "bfloat16"}),
     "float16, stochastic": ("float16", {}),
+    "int8, nearest": ("int8", {"stochastic_rounding": False}),
+    "int8, stochastic": ("int8", {}),
 }
 WIDTH, BATCH, DENSE_FEATURES = 16, 1024, 13
 ROWS_CAP = 300_000
@@ -76,12 +83,30 @@ def build(name, init=None):
         dense_features=DENSE_FEATURES, bottom=64, top=(128, 64),
         loss=keras.losses.BinaryCrossentropy(from_logits=True),
         metrics=[keras.metrics.AUC(from_logits=True, name="auc")],
-        table_dtype=table_dtype, storage=sparseopt.TableStorage(**storage))
+        table_dtype=table_dtype, storage=sparseopt.TableStorage(**storage),
+        rows_per_step=BATCH)
     if init is not None:  # the float32 model's initial weights, stored as each variant stores
-        for v, value in zip(model.weights, init):
-            v.assign(value)
+        for v in model.weights:
+            if v.path in init and v.dtype != "int8":  # (int8 tables: quantized below)
+                v.assign(keras.ops.cast(init[v.path], v.dtype))
+        for layer in model.layers:
+            if getattr(layer, "int8", None) is not None:
+                codes, scale = quantization.quantize(init[layer.embeddings.path])
+                layer.embeddings.assign(codes)
+                layer.embeddings_scale.assign(scale)
     model.optimizer.build(model.trainable_variables)
     return model
+
+
+def tables_of(model):
+    """Every table's variables: an int8 table's codes, row scales and write buffer."""
+    out = []
+    for layer in model.layers:
+        if isinstance(layer, sparseopt.layers.SparseEmbedding):
+            out.append(layer.embeddings)
+            if layer.int8 is not None:
+                out += [layer.embeddings_scale, *layer.int8.written_variables]
+    return out
 
 
 def variables_bytes(variables):
@@ -93,13 +118,15 @@ def memory(model):
     tables = [layer.embeddings for layer in model.layers
               if isinstance(layer, sparseopt.layers.SparseEmbedding)]
     state = [v for t in tables for v in model.optimizer.table_state(t).values()]
-    return {"table_bytes": variables_bytes(tables), "state_bytes": variables_bytes(state)}
+    return {"table_bytes": variables_bytes(tables_of(model)),
+            "state_bytes": variables_bytes(state)}
 
 
 def bytes_per_row(width=WIDTH):
     """`{updater: {precision: bytes of a row and its state}}`, from built variables."""
     precisions = {"float32": (None, {}), "bfloat16 table": ("bfloat16", {}),
-                  "bfloat16 table + state": ("bfloat16", {"state_dtype": "bfloat16"})}
+                  "bfloat16 table + state": ("bfloat16", {"state_dtype": "bfloat16"}),
+                  "int8 table": ("int8", {})}
     out = {}
     for name, entry in sorted(sparseopt.updaters.registry(shipped_only=True).items()):
         out[name] = {}
@@ -111,16 +138,21 @@ def bytes_per_row(width=WIDTH):
             model = keras.Model(ids, layer(ids))
             model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()),
                           loss="mse")
-            model.optimizer.build(model.trainable_variables)
+            try:
+                model.optimizer.build(model.trainable_variables)
+            except ValueError:  # not on int8 tables yet (checks.int8_table)
+                out[name][label] = None
+                continue
             state = model.optimizer.table_state(layer.embeddings).values()
-            out[name][label] = variables_bytes([layer.embeddings, *state]) / 64
+            # Per row: an int8 table's codes and scale (its write buffer is per table).
+            table = [layer.embeddings] + ([layer.embeddings_scale] if dtype == "int8" else [])
+            out[name][label] = variables_bytes([*table, *state]) / 64
     return out
 
 
 def train(names, x, y, val_x, val_y, examples, chunks):
     """One pass for each variant in turn, the validation after each chunk."""
-    init = [v.numpy() if hasattr(v, "numpy") else keras.ops.convert_to_numpy(v)
-            for v in build("float32").weights]
+    init = {v.path: keras.ops.convert_to_numpy(v) for v in build("float32").weights}
     curves, memories = {}, {}
     edges = np.linspace(0, examples, chunks + 1).astype(int)
     for name in names:
@@ -204,7 +236,8 @@ def main():
     print(f"\n| bytes per row, width {WIDTH} (table + state) | " + " | ".join(labels_) + " |")
     print("|---|" + "---|" * len(labels_))
     for name, cells in per_row.items():
-        print(f"| `{name}` | " + " | ".join(f"{cells[k]:g}" for k in labels_) + " |")
+        print(f"| `{name}` | " + " | ".join("refused" if cells[k] is None else f"{cells[k]:g}"
+                                           for k in labels_) + " |")
 
     suffix = f"{backend}{'_quick' if args.quick else ''}"
     RESULTS.mkdir(exist_ok=True)

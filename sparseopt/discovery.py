@@ -1,10 +1,12 @@
 """Finding which updater trains which table, without searching the heap.
 
 An optimizer is handed the model's variables, not its layers. The updaters
-that layers declare (`variable_path_to_optimizer_map`) are reached two ways:
+that layers declare (`variable_path_to_optimizer_map`) are reached three ways:
 
 - through the table: a table read by a `sparseopt.ops.SparseLookup` knows
   its lookup, and the lookup keeps a weak reference to its layer;
+- through the probe of an int8 table's lookup (`int8_tables`): such a table is
+  not a trainable variable, so it is not among those handed over;
 - through the model being trained (`compat.model_building`): its layers,
   which is also where keras-rs `DistributedEmbedding` tables are found, and
   where a layer that declares an updater for a table it reads densely is
@@ -82,3 +84,22 @@ def _declared_by(layer):
             )
         out.append((by_path[path], updater))
     return out
+
+
+def int8_tables(variables):
+    """The int8 tables read by the lookups whose probes are among `variables`.
+
+    An int8 table is layer state, not a trainable variable (JAX differentiates
+    no integer array), so an optimizer is not handed it; its lookup's probe
+    is, and leads to it.
+
+    Args:
+        variables: the trainable variables an optimizer is being built for.
+    """
+    given = {id(v) for v in variables}
+    found = []
+    for var in variables:
+        lookup = getattr(var, "_sparseopt_probe_of", None)
+        if getattr(lookup, "int8", None) is not None and id(lookup.table) not in given:
+            found.append(lookup.table)
+    return found

@@ -7,7 +7,7 @@ from keras import ops
 import numpy as np
 
 from sparseopt import accumulation, backend, checks, clipping, compat, routing
-from sparseopt.discovery import declared_tables
+from sparseopt.discovery import declared_tables, int8_tables
 from sparseopt.keras_rs_tables import adapt
 from sparseopt.ops.row_sources import LookupRows, SlicedRows
 from sparseopt.table_trainer import TableTrainer, group_trainers
@@ -270,14 +270,17 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         self._scaling_wrapper = weakref.ref(wrapper) if wrapper is not None else None
         model = compat.model_building(self)
         self._model = weakref.ref(model) if model is not None else None
-        declared = declared_tables(var_list, model)
+        # int8 tables are not trainable variables (JAX differentiates no integers):
+        # they are reached through their lookups' probes, which are.
+        tables = var_list + int8_tables(var_list)
+        declared = declared_tables(tables, model)
         added = {}  # id(table) -> probe made while building (keras-rs tables, JAX)
         self._trainers = {}  # var key -> TableTrainer
         self._watched = {}  # var key -> TableTrainer reading that variable's gradient
         dense = {id(opt): [] for opt in self._dense_optimizers}
         self._route = {}
         self._installed = {}  # var key -> variable whose "gradient" is its new value
-        for route in routing.plan(var_list, declared, self._optimizer_map,
+        for route in routing.plan(tables, declared, self._optimizer_map,
                                   self._default_optimizer):
             var, key = route.variable, self._var_key(route.variable)
             if route.kind == routing.INSTALLED:
@@ -698,8 +701,13 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
 
     def finalize_variable_values(self, var_list):
         """Catches up every row, then gives `ema_momentum` and `swa_period` tables their
-        average (Keras' hook, called at the end of `fit`)."""
+        average, and writes int8 tables' last buffered rows (Keras' hook, called at
+        the end of `fit`)."""
         self.catch_up_tables()
+        with backend.outside_trace():
+            for trainer in self._trainers.values():
+                if trainer.int8 is not None:
+                    trainer.int8.flush()
         averaged = [t for t in self._trainers.values() if t.updater.ema_momentum is not None]
         swa = [t for t in self._trainers.values() if t.updater.swa is not None]
         if averaged or swa:

@@ -35,12 +35,16 @@ class RowGrads:
         changed: for an open vocabulary, the rows its lookup gave to new ids
             in this step (`sparseopt.vocabulary.Proposals`), which the
             optimizer resets if it applies the step; None otherwise.
+        read: for an int8 table, float32 `[N, width]`: each id's row as the
+            forward pass read it (the optimizer updates those: it cannot read
+            the table itself, `sparseopt.int8_table`); None otherwise.
     """
 
     ids: Any
     grads: Any
     calls: int = 1
     changed: Any = None
+    read: Any = None
 
     def scaled(self, factor):
         """The same record with every gradient times the scalar `factor`."""
@@ -71,9 +75,12 @@ class RowGrads:
                 f"An open-vocabulary table was called {len(changed)} times in one training "
                 "step; its map admits ids once per step. Pass all of the step's features "
                 "in one call (`layer([ids_a, ids_b])` returns one output per feature).")
+        read = None
+        if all(r.read is not None for r in records):
+            read = ops.concatenate([r.read for r in records], axis=0)
         return RowGrads(ops.concatenate([r.ids for r in records], axis=0),
                         concatenate([r.grads for r in records]),
-                        sum(r.calls for r in records), changed[0] if changed else None)
+                        sum(r.calls for r in records), changed[0] if changed else None, read)
 
 
 class Distinct(NamedTuple):

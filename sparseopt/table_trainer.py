@@ -14,9 +14,10 @@ import weakref
 import keras
 from keras import ops
 
-from sparseopt import backend, compat, precision, storage, updaters
+from sparseopt import backend, checks, compat, precision, storage, updaters
 from sparseopt.updaters import hyperparameters
 from sparseopt.distribution import layout_like, replicated_beside
+from sparseopt.int8_apply import finish_int8
 from sparseopt.lookahead_window import LookaheadWindow
 from sparseopt.sparse_apply import (
     MAX_GROUP_ROWS, as_computed, finish, finish_group, prepare, prepare_group, sparse_apply)
@@ -81,6 +82,8 @@ class TableTrainer:
         self.decays = True
         # `lookahead_period`: the rows changed in the current window (set by `build`).
         self.lookahead = None
+        # An int8 table's codes, scales and write buffer (`sparseopt.int8_table`), or None.
+        self.int8 = getattr(getattr(source, "lookup", None), "int8", None)
         self._optimizer = None  # weak reference to the optimizer that built it
 
     @property
@@ -111,6 +114,10 @@ class TableTrainer:
                 "statistics of the whole table's values, which an open vocabulary changes "
                 "outside the rule when it gives a row to a new id. Use lazy=True on a "
                 "DynamicEmbedding.")
+        if self.int8 is not None:
+            checks.int8_table(table.path, self.updater, compat.layout_of(table) is not None,
+                              backend.replica_strategy() is not None,
+                              bool(getattr(optimizer, "gradient_accumulation_steps", None)))
         self.rounding = precision.Rounding(self.storage.stochastic_rounding,
                                            self.storage.rounding_seed, index)
         for spec in self.updater.slots:
@@ -215,7 +222,8 @@ class TableTrainer:
             iteration: the optimizer's 0-based step count (scalar tensor).
             learning_rate_scale: as for `values_at`.
         """
-        if self.lookahead is not None:  # (`finish` lists the rows it changes)
+        if self.lookahead is not None or self.int8 is not None:
+            # (`finish` lists the rows Lookahead changes; writes an int8 table's buffer.)
             self.finish(self.prepare(record), iteration, learning_rate_scale)
             return
         values = self.values_at(iteration, learning_rate_scale)
@@ -265,8 +273,12 @@ class TableTrainer:
                 clipping), or None.
         """
         values = self.values_at(iteration, learning_rate_scale)
-        applied = finish(self.updater, self.table, self.slots, prepared, values, iteration + 1,
-                         self.workspace, self.rounding, factor)
+        if self.int8 is not None:
+            applied = finish_int8(self.updater, self.table, self.int8, self.slots, prepared,
+                                  values, iteration + 1, self.workspace, self.rounding, factor)
+        else:
+            applied = finish(self.updater, self.table, self.slots, prepared, values,
+                             iteration + 1, self.workspace, self.rounding, factor)
         self.count_skipped(applied)
         if self.lookahead is not None:
             self.lookahead.record(prepared.global_distinct(), applied, iteration + 1,
@@ -381,8 +393,9 @@ class TableTrainer:
         laid out by its own sharding.
         """
         if (compat.layout_of(self.table) is not None or self.vocabulary is not None
-                or self.updater.lookahead is not None):
-            # (An open vocabulary's step and Lookahead's window continue after the rule.)
+                or self.updater.lookahead is not None or self.int8 is not None):
+            # (An open vocabulary's step and Lookahead's window continue after the
+            # rule; an int8 table's rule starts from the rows its lookups read.)
             return None
         updater = self.updater
         cls = type(updater)

@@ -196,6 +196,16 @@ def test_16_bit_tables_with_stochastic_rounding_do_no_vocab_work(dtype):
     assert_no_vocab_work(result)
 
 
+def test_int8_tables_do_no_vocab_work():
+    """An int8 table's step: the rows its lookups read travel with their gradients,
+    the new rows wait in the write buffer, and the next call scatters them into
+    the codes and scales in place."""
+    model, data = make_model(sparseopt.DispatchOptimizer(keras.optimizers.Adam()),
+                             updater=sparseopt.updaters.Adam(0.1), dtype="int8")
+    model.train_on_batch(*data)  # the buffer holds rows: the next step writes them
+    assert_no_vocab_work(vocab_sized_work(model, data))
+
+
 @pytest.mark.parametrize("layer", ["sparse_embedding", "user_table"])
 def test_mixed_precision_does_not_cast_the_whole_table(layer):
     """Under mixed_float16 only the looked-up rows may be cast, never the table."""

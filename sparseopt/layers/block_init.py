@@ -59,14 +59,14 @@ class _Blockwise(keras.initializers.Initializer):
         if elements < MIN_ELEMENTS or keras.distribution.distribution() is not None:
             return self.initializer(shape, dtype=dtype)
         return backend.fill_in_blocks(
-            lambda i, block_shape: _for_block(self.initializer, i)(block_shape, dtype=dtype),
+            lambda i, block_shape: for_block(self.initializer, i)(block_shape, dtype=dtype),
             shape, dtype, self.block_rows)
 
     def get_config(self):
         return self.initializer.get_config()
 
 
-def _for_block(initializer, index):
+def for_block(initializer, index):
     """`initializer` with a seed of its own for block `index`.
 
     A Keras random initializer with an integer seed (Keras gives one even

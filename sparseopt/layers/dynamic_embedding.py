@@ -74,6 +74,12 @@ class DynamicEmbedding(SparseEmbedding):
                  admissions_per_step=1024, placement_rounds=2, admit_after=1,
                  count_capacity=None, tombstone_log=None, lfu_half_life=1000, **kwargs):
         kwargs.pop("input_dim", None)
+        if kwargs.get("dtype") == "int8":
+            raise ValueError(
+                f"DynamicEmbedding '{kwargs.get('name', '')}': int8 tables are not open to "
+                "new ids yet (the rows given to a new id would be written outside the int8 "
+                "write buffer). Use dtype='bfloat16' (half the memory), or a fixed "
+                "SparseEmbedding(dtype='int8') over hashed ids.")
         if default_row not in DEFAULT_ROWS:
             raise ValueError(f"DynamicEmbedding '{kwargs.get('name', '')}': `default_row` must "
                              f"be one of {DEFAULT_ROWS}, got {default_row!r}.")

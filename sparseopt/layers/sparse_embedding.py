@@ -2,12 +2,13 @@
 
 import keras
 
-from sparseopt import compat
+from sparseopt import backend, compat
 from sparseopt import storage as storage_lib
 from sparseopt import updaters as updaters_lib
 from sparseopt.distribution import check_even_split
 from sparseopt.layers.block_init import blockwise
-from sparseopt.ops.lookup import SparseLookup, check_ids_dtype
+from sparseopt.int8_table import Int8Table
+from sparseopt.ops.lookup import PlainOptimizerGuard, SparseLookup, check_ids_dtype, layer_state
 
 COMBINERS = (None, "sum", "mean")
 
@@ -50,14 +51,31 @@ class SparseEmbedding(keras.layers.Layer):
             `"sum"` or `"mean"` reduce the last id axis (multi-hot bags) to
             `[..., output_dim]`.
         storage: how the table stores its updater state and writes 16-bit
-            values (`sparseopt.TableStorage(state_dtype=..., stochastic_rounding=...,
-            rounding_seed=...)`); None: the defaults (float32 state,
-            stochastic rounding, seed 0), or the updater's own settings.
-        **kwargs: base `Layer` arguments (`name`, `dtype`, ...).
+            and 8-bit values (`sparseopt.TableStorage(state_dtype=...,
+            stochastic_rounding=..., rounding_seed=...)`); None: the
+            defaults (float32 state, stochastic rounding, seed 0), or the
+            updater's own settings.
+        rows_per_step: int8 tables only: the most distinct rows one step may
+            update (the size of the buffer that carries a step's writes to
+            the table, `sparseopt.int8_table`); None: `min(input_dim, 16384)`.
+        **kwargs: base `Layer` arguments (`name`, `dtype`, ...). `dtype="int8"`
+            stores the table as int8 codes with a float32 scale per row
+            (Keras' int8 `Embedding` format, a quarter of float32's memory);
+            the layer then computes in float32 (or the global policy's
+            compute dtype).
     """
 
     def __init__(self, input_dim, output_dim, updater, embeddings_initializer="uniform",
-                 combiner=None, storage=None, **kwargs):
+                 combiner=None, storage=None, rows_per_step=None, **kwargs):
+        self.int8 = None
+        if kwargs.get("dtype") == "int8":
+            # Not a Keras dtype policy: the table is int8, the layer computes in float.
+            kwargs.pop("dtype")
+            self.int8 = Int8Table(rows_per_step)
+        elif rows_per_step is not None:
+            raise ValueError(
+                f"SparseEmbedding '{kwargs.get('name', '')}': `rows_per_step` sizes an int8 "
+                "table's write buffer; this table is not int8 (`dtype='int8'`).")
         for option, fix in _REFUSED.items():
             if kwargs.pop(option, None) not in (None, False):
                 raise ValueError(
@@ -94,6 +112,16 @@ class SparseEmbedding(keras.layers.Layer):
     def build(self, input_shape=None):
         shape = (self.input_dim, self.output_dim)
         check_even_split(self.name, f"{compat.current_path()}/embeddings".lstrip("/"), shape)
+        if self.int8 is not None:
+            self.int8.build(self, shape, self.embeddings_initializer, self._add_int8_state)
+            self.embeddings, self.embeddings_scale = self.int8.codes, self.int8.scale
+            self._lookup = SparseLookup(self, self.embeddings, storage=self.storage,
+                                        int8=self.int8)
+            for written in self.int8.written_variables:
+                # Written by the optimizer's step only.
+                written.constraint = PlainOptimizerGuard(self.name, self.embeddings.path)
+                written._sparseopt_bookkeeping_of = self._lookup
+            return
         self.embeddings = self.add_weight(
             shape=shape,
             # Large random tables are drawn in blocks: memory peaks at one
@@ -103,6 +131,9 @@ class SparseEmbedding(keras.layers.Layer):
             autocast=False,  # never cast the whole table; the lookup casts rows
         )
         self._lookup = SparseLookup(self, self.embeddings, storage=self.storage)
+
+    def _add_int8_state(self, name, shape, dtype, trainable):
+        return layer_state(self, name, dtype, trainable, shape=shape)
 
     @property
     def variable_path_to_optimizer_map(self):
@@ -132,8 +163,15 @@ class SparseEmbedding(keras.layers.Layer):
         """Saves what `keras.layers.Embedding` saves: the table only.
 
         The lookup's probe (a weight on TensorFlow, see `SparseLookup`) and
-        dropped-id count are bookkeeping, not state to keep.
+        dropped-id count are bookkeeping, not state to keep. An int8 table
+        saves its codes and row scales, as Keras' int8 `Embedding` does,
+        after writing the last step's rows into them.
         """
+        if self.int8 is not None:
+            with backend.outside_trace():
+                self.int8.flush()
+            store["0"], store["1"] = self.embeddings, self.embeddings_scale
+            return
         store["0"] = self.embeddings
 
     def load_own_variables(self, store):
@@ -142,6 +180,9 @@ class SparseEmbedding(keras.layers.Layer):
         Those also hold the lookup's probe and dropped-id count (entries "1"
         and "2"): they are skipped (the count restarts at 0).
         """
+        if self.int8 is not None:
+            self._load_int8(store)
+            return
         legacy = len(store.keys()) == 3 and tuple(store["1"].shape) == ()
         if len(store.keys()) != 1 and not legacy:
             raise ValueError(
@@ -153,9 +194,26 @@ class SparseEmbedding(keras.layers.Layer):
                 f"this layer's {tuple(self.embeddings.shape)}.")
         self.embeddings.assign(store["0"])
 
+    def _load_int8(self, store):
+        if len(store.keys()) != 2:
+            raise ValueError(
+                f"Layer '{self.name}' (an int8 table) expected 2 variables (codes and row "
+                f"scales), but received {len(store.keys())} variables during loading.")
+        for i, variable in enumerate([self.embeddings, self.embeddings_scale]):
+            if tuple(store[str(i)].shape) != tuple(variable.shape):
+                raise ValueError(
+                    f"Layer '{self.name}': the file's {variable.name} has shape "
+                    f"{tuple(store[str(i)].shape)}, this layer's {tuple(variable.shape)}.")
+            variable.assign(store[str(i)])
+        self.int8.clear()  # the file's rows are current: nothing left to write
+
     def get_config(self):
+        int8 = {}
+        if self.int8 is not None:
+            int8 = {"dtype": "int8", "rows_per_step": self.int8.rows_per_step}
         return {
             **super().get_config(),
+            **int8,
             "input_dim": self.input_dim,
             "output_dim": self.output_dim,
             "updater": keras.saving.serialize_keras_object(self.updater),

@@ -42,6 +42,9 @@ class SparseLookup:
         storage: how the table stores its updater state and writes 16-bit
             values, a `sparseopt.TableStorage`; None: its updater's settings
             (by default float32 state, stochastic rounding, seed 0).
+        int8: for an 8-bit table, its `sparseopt.int8_table.Int8Table`
+            (whose `codes` are `table`): rows are read as `codes / scale`,
+            after the last step's buffered writes; None for float tables.
 
     Example:
 
@@ -60,7 +63,7 @@ class SparseLookup:
     ```
     """
 
-    def __init__(self, layer, table, storage=None):
+    def __init__(self, layer, table, storage=None, int8=None):
         if len(table.shape) != 2:
             raise ValueError(
                 f"SparseLookup: table '{table.path}' must be 2-D [rows, width], "
@@ -73,6 +76,7 @@ class SparseLookup:
                 "gradients from every call in a step are summed)."
             )
         self.table = table
+        self.int8 = int8
         self.storage = storage_lib.from_argument(storage, f"SparseLookup of '{table.path}'")
         base = table.name.replace("/", "_")
         self.num_dropped_ids = layer_state(layer, f"{base}_dropped_ids", "int32", False)
@@ -162,9 +166,12 @@ class SparseLookup:
                 dropped, in training or not.)
         """
         valid, safe_ids, update_ids = self._prepare(ids)
-        rows = ops.where(ops.expand_dims(valid, -1), self._read(safe_ids), 0.0)
+        read = self._read(safe_ids)
+        rows = ops.where(ops.expand_dims(valid, -1), ops.cast(read, self.compute_dtype), 0.0)
+        # An int8 table's rows travel with their gradients (`RowGrads.read`).
+        kept = ops.reshape(read, (-1, self.table.shape[1])) if self.int8 is not None else None
         return backend.tap(rows, self.probe.value, update_ids, self._on_backward,
-                           aux=(None, changed))
+                           aux=(None, changed, kept))
 
     def pooled(self, ids, combiner="sum", changed=None):
         """The rows of each bag of ids (the last axis), summed or averaged.
@@ -184,9 +191,10 @@ class SparseLookup:
         Returns:
             `[..., width]` in the layer's compute dtype.
         """
-        if compat.layout_of(self.table) is not None:
+        if compat.layout_of(self.table) is not None or self.int8 is not None:
             # Placed by a keras.distribution: read id by id, so that what
             # crosses devices stays what the sharded update path expects.
+            # (int8: each id's row must travel with its gradient.)
             rows = self(ids, changed=changed)
             weight = ops.cast(self.valid(ids), rows.dtype)
             if combiner == "mean":
@@ -222,6 +230,8 @@ class SparseLookup:
     def _prepare(self, ids):
         """Checks `ids`, counts the dropped ones; `(valid, ids to read, ids to update)`."""
         check_ids_dtype(ids, self.layer_name, self.table.path)
+        if self.int8 is not None:
+            self.int8.flush()  # the last step's rows, before anything reads the table
         self._forget_other_traces(ids)
         self._record_size(ids)
         valid = self.valid(ids)
@@ -234,14 +244,16 @@ class SparseLookup:
         return valid, safe_ids, update_ids
 
     def _read(self, safe_ids):
+        """The rows `safe_ids` as stored (float32 for an int8 table)."""
+        if self.int8 is not None:
+            return self.int8.read(safe_ids)
         with compat.read_as_stored():
-            rows = backend.read_rows(self.table, safe_ids)
-        return ops.cast(rows, self.compute_dtype)
+            return backend.read_rows(self.table, safe_ids)
 
     def _on_backward(self, ids, grads, aux):
         width = self.table.shape[1]
         self._record(grads, RowGrads(ops.reshape(ids, (-1,)), ops.reshape(grads, (-1, width)),
-                                     changed=aux[1]))
+                                     changed=aux[1], read=aux[2]))
 
     def _on_backward_pooled(self, ids, grads, aux):
         weight, changed = aux

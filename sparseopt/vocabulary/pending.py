@@ -27,13 +27,15 @@ class Entries(NamedTuple):
     sightings: Any
 
 
-def _split(x):
+def split_halves(x):
+    """int32 `x` as two float32 arrays, its upper and lower 16 bits (exact in float32)."""
     x = ops.cast(x, "int32")
     return [ops.cast(ops.bitwise_and(ops.right_shift(x, 16), 0xFFFF), "float32"),
             ops.cast(ops.bitwise_and(x, 0xFFFF), "float32")]
 
 
-def _join(upper, lower):
+def join_halves(upper, lower):
+    """The int32 values whose halves `split_halves` gave."""
     u32 = "uint32"
     joined = ops.bitwise_or(ops.left_shift(ops.cast(upper, u32), np.uint32(16)),
                             ops.cast(lower, u32))
@@ -45,9 +47,9 @@ def encode(high, low, rows, step, evicted, valid, sightings, size):
     step; bool `[M]` evicted and valid; int32 `[M]` the ids' sightings in their step),
     padded with entries that are not valid."""
     step = ops.broadcast_to(ops.cast(step, "int32"), ops.shape(rows))
-    columns = (_split(high) + _split(low) + _split(rows) + _split(step)
+    columns = (split_halves(high) + split_halves(low) + split_halves(rows) + split_halves(step)
                + [ops.cast(evicted, "float32"), ops.cast(valid, "float32")]
-               + _split(sightings))
+               + split_halves(sightings))
     entries = ops.stack(columns, axis=1)
     if entries.shape[0] == size:
         return entries
@@ -56,17 +58,17 @@ def encode(high, low, rows, step, evicted, valid, sightings, size):
 
 def encode_step(step):
     """float32 `[2]`: an int32 scalar step as two 16-bit halves (`decode_step`)."""
-    return ops.stack(_split(step))
+    return ops.stack(split_halves(step))
 
 
 def decode_step(values):
     """The int32 scalar step of an `encode_step`d array."""
-    return _join(values[0], values[1])
+    return join_halves(values[0], values[1])
 
 
 def decode(values):
     """The `Entries` of an `encode`d array."""
     c = [values[:, i] for i in range(FIELDS)]
-    return Entries(_join(c[0], c[1]), _join(c[2], c[3]), _join(c[4], c[5]),
-                   _join(c[6], c[7]), ops.greater(c[8], 0.5), ops.greater(c[9], 0.5),
-                   _join(c[10], c[11]))
+    return Entries(join_halves(c[0], c[1]), join_halves(c[2], c[3]), join_halves(c[4], c[5]),
+                   join_halves(c[6], c[7]), ops.greater(c[8], 0.5), ops.greater(c[9], 0.5),
+                   join_halves(c[10], c[11]))

@@ -1,0 +1,83 @@
+"""An int8 table's step: the rule on the rows the forward pass read, written back quantized.
+
+The same rule as any table (`Updater.apply_rule` on float32 rows and float32
+state), with two differences forced by where an int8 table lives
+(`sparseopt.int8_table`):
+
+- the rows the rule starts from are those the step's lookups read
+  (`RowGrads.read`), picked for each distinct id at the position `dedup`
+  left in the workspace for it (every occurrence of an id read the same
+  row);
+- the new rows are quantized here (seeded stochastic rounding, keyed like
+  16-bit writes by seed, table, step, global row and column) and handed to
+  the table's write buffer, which the layer's next call writes.
+
+The updater's state is float32 (or `state_dtype`) per-row slots, updated in
+place as for any table. A skipped step (non-finite gradients) hands over
+nothing and leaves the state as it was.
+"""
+
+from keras import ops
+
+from sparseopt import backend, precision, quantization
+from sparseopt.sparse_apply import as_computed
+from sparseopt.updaters import hyperparameters
+
+# The stochastic-rounding stream of the table's codes (its slots use `1 + i`).
+CODES_STREAM = 0
+
+
+def finish_int8(updater, table, int8, slots, prepared, values, step, workspace, rounding,
+                factor=None):
+    """Applies the rule to a `prepare`d step of an int8 table.
+
+    Args:
+        updater: the table's `Updater` (per-row slots only).
+        table: the table's codes variable (for its shape and path).
+        int8: its `sparseopt.int8_table.Int8Table`.
+        slots: `{slot name: Keras variable}`.
+        prepared: the `sparse_apply.Prepared` step (deduplicated on one device).
+        values: the step's hyperparameters (`TableTrainer.values_at`).
+        step: scalar int tensor, the 1-based update count.
+        workspace: the dedup workspace `prepared` was deduplicated with.
+        rounding: the table's `sparseopt.precision.Rounding`.
+        factor: a scalar the gradients are multiplied by first (global
+            clipping), or None.
+
+    Returns:
+        A boolean scalar tensor: whether the update was applied.
+    """
+    finite = prepared.finite
+    distinct = prepared.distinct
+    if factor is not None:
+        finite = ops.logical_and(finite, ops.isfinite(factor))
+        distinct = distinct.scaled(factor)
+    uniq, summed, count = distinct
+    read = prepared.record.read
+    if read is None:
+        raise ValueError(f"Table '{table.path}' (int8): its step has no rows read by its "
+                         "lookup; it can only be trained from `SparseLookup` calls.")
+    # Where dedup left each distinct id's representative occurrence.
+    positions = backend.gather(workspace.value, uniq)
+    rows = backend.gather(read, positions)
+    names = sorted(slots)
+    state = {n: as_computed(backend.gather(slots[n].value, uniq)) for n in names}
+    with hyperparameters.reading(updater, values):
+        new_rows, new_state = updater.apply_rule(rows, state, summed,
+                                                 values["learning_rate"], step)
+    index = precision.variable_indices(updater)
+    for n in names:
+        kept = ops.where(finite, new_state[n], state[n])
+        backend.scatter(slots[n], uniq, rounding.stored(kept, slots[n].dtype, step, uniq,
+                                                        index[n]))
+    # (Padding entries, from `count` on, read real rows with zero gradient, and
+    # are never written: the buffer keeps `count`.)
+    bits = None
+    if rounding.stochastic:
+        global_ids = ops.cast(uniq, "int32") + ops.cast(rounding.row_offset, "int32")
+        bits = precision.random_bits(
+            precision.stream_key(rounding.seed, rounding.table_index, CODES_STREAM), step,
+            global_ids, table.shape[1])
+    codes, scale = quantization.quantize(new_rows, bits)
+    int8.hand_over(uniq, codes, scale, ops.where(finite, count, 0), table.path)
+    return finite

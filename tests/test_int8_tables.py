@@ -1,0 +1,259 @@
+"""8-bit tables (`SparseEmbedding(dtype="int8")`): row-wise int8 codes with a float32 scale.
+
+Every step is checked against a NumPy replay (the reference rule on the
+rows read back as `codes / scale`, then the documented quantization of the
+touched rows with the documented bits); the rounding's expectation against
+the float32 value; files against Keras' own int8 `Embedding`; resume,
+skipped steps and untouched rows bit for bit; refusals by their messages.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import sparseopt
+from sparseopt import quantization
+from tests import reference
+from tests.conftest import to_np
+from tests.helpers import batches, dot_loss, kinds, registered_cases, table_model
+
+VOCAB, WIDTH, N_IDS, BATCH, STEPS = 300, 4, 5, 8, 20
+
+
+def _refused(entry, cfg):
+    """Whether int8 tables refuse this configuration (`checks.int8_table`)."""
+    updater = entry(0.05, **cfg)
+    return (updater.tracks_rows or updater.swa is not None or updater.lookahead is not None
+            or bool(updater.whole_slots))
+
+
+CASES = {k: (entry, cfg) for k, (entry, cfg) in registered_cases().items()
+         if not _refused(entry, cfg)}
+KEEP = ["SGD:default", "Adagrad:default", "Adam:default", "RowwiseAdagrad:default", "Ftrl:default"]
+
+
+def _stored(rows, step, ids):
+    """The documented write of float64 `rows` (ids `ids`) at `step`: float32, then
+    `floor(x * scale + u)` with `u` the top 24 of the stream-0 bits."""
+    x = np.asarray(rows, np.float32)
+    scale = np.float32(127) / (np.max(np.abs(x), axis=1) + np.float32(1e-7))
+    bits = reference.rounding_bits(0, 0, 0, step, ids, x.shape[1])
+    u = (bits >> 8).astype(np.float32) * np.float32(2.0**-24)
+    codes = np.clip(np.floor(x * scale[:, None] + u), -127, 127)
+    return codes.astype(np.int8), scale
+
+
+def _read(codes, scale):
+    return codes.astype(np.float32) / scale[:, None].astype(np.float32)
+
+
+def _train(updater, xs, ys, **compile_kwargs):
+    model, emb = table_model(VOCAB, WIDTH, N_IDS, updater, dtype="int8")
+    start = (to_np(emb.embeddings), to_np(emb.embeddings_scale))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)),
+                  loss=dot_loss, **compile_kwargs)
+    model.fit(xs.reshape(-1, N_IDS), ys.reshape(-1, N_IDS, WIDTH), batch_size=BATCH,
+              shuffle=False, verbose=0)
+    return model, emb, start
+
+
+@pytest.mark.parametrize("case", kinds(sorted(CASES), KEEP))
+def test_int8_table_matches_numpy_replay(case):
+    entry, cfg = CASES[case]
+    name = entry.__name__
+    rng = np.random.default_rng(3)
+    xs, ys = batches(rng, STEPS, BATCH, N_IDS, VOCAB, WIDTH, dup_vocab=120)
+    model, emb, (codes, scale) = _train(entry(learning_rate=0.05, **cfg), xs, ys)
+    assert emb.embeddings.dtype == "int8" and emb.embeddings_scale.dtype == "float32"
+    codes, scale = codes.copy(), scale.copy()
+    state = reference.initial_state(name, (VOCAB, WIDTH), cfg)
+    for t, (x, y) in enumerate(zip(xs, ys)):
+        table = _read(codes, scale).astype(np.float64)
+        new, state = reference.sparse_step(name, table, state, x, y / BATCH, 0.05, cfg,
+                                           step=t + 1)
+        touched = np.unique(x)
+        codes[touched], scale[touched] = _stored(new[touched], t + 1, touched)
+    got_codes, got_scale = to_np(emb.embeddings), to_np(emb.embeddings_scale)
+    # Never looked up: exactly as initialized.
+    np.testing.assert_array_equal(got_codes[120:], codes[120:])
+    np.testing.assert_array_equal(got_scale[120:], scale[120:])
+    # float32 rules here, float64 there: a value within rounding of a code
+    # boundary can land on the other code, rarely; the rows then drift by a code.
+    np.testing.assert_allclose(got_scale, scale, rtol=1e-3)
+    assert np.max(np.abs(got_codes.astype(int) - codes)) <= 2, case
+    assert np.mean(got_codes == codes) > 0.97, case
+    got_state = {k: to_np(v) for k, v in model.optimizer.table_state(emb.embeddings).items()}
+    for k, v in got_state.items():
+        assert model.optimizer.table_state(emb.embeddings)[k].dtype in ("float32", "int32")
+        np.testing.assert_allclose(v, state[k], rtol=2e-2, atol=1e-3, err_msg=k)
+
+
+@pytest.mark.backend_independent
+def test_quantize_is_keras_format_and_stochastic_rounding_is_unbiased():
+    """Nearest rounding is Keras' `abs_max_quantize`; stochastic rounding's mean
+    over many draws is the float32 value (within 6 standard deviations of a
+    Bernoulli draw), which nearest misses by 0.1-0.5 of a code."""
+    from keras.src.quantizers.quantizers import abs_max_quantize
+
+    rng = np.random.default_rng(0)
+    rows = rng.normal(size=(64, 16)).astype(np.float32)
+    codes, scale = quantization.quantize(rows)
+    want_codes, want_scale = abs_max_quantize(rows, axis=-1)
+    np.testing.assert_array_equal(to_np(codes), to_np(want_codes))
+    np.testing.assert_array_equal(to_np(scale), to_np(want_scale)[:, 0])
+
+    n = 80000
+    # Column 0 sets the scale (127 / ~1); the others sit 0.1, 0.5, 0.6 of a code past one.
+    values = np.array([1.0, 38.1 / 127, -12.5 / 127, 90.6 / 127], np.float32)
+    block = np.tile(values, (n, 1))
+    bits = reference.rounding_bits(5, 1, 0, 7, np.arange(n), 4)
+    codes, scale = quantization.quantize(block, bits)
+    read = to_np(quantization.dequantize(codes, scale))
+    spacing = 1.0 / to_np(scale)[0]
+    bound = 6 * 0.5 * spacing / np.sqrt(n)
+    np.testing.assert_allclose(read.mean(axis=0), values, atol=bound)
+    nearest = to_np(quantization.dequantize(*quantization.quantize(values[None])))[0]
+    assert np.all(np.abs(nearest[1:] - values[1:]) > 4 * bound)
+
+
+def test_files_load_into_keras_own_int8_embedding(tmp_path):
+    """A trained int8 table saves Keras' int8 `Embedding` entries: a plain quantized
+    Keras model has the same file layout (but for the class name a functional
+    model keys its layers by), loads the layer's entries and reads the same rows."""
+    from tests.test_weights_files import file_layout
+
+    rng = np.random.default_rng(0)
+    xs, ys = batches(rng, 6, BATCH, N_IDS, VOCAB, WIDTH)
+    model, emb, _ = _train(sparseopt.updaters.Adagrad(0.1), xs, ys)
+    ids = keras.Input((N_IDS,), dtype="int32")
+    plain = keras.Model(ids, keras.layers.Embedding(VOCAB, WIDTH, name="emb")(ids))
+    plain.quantize("int8")
+    ours, theirs = str(tmp_path / "ours.weights.h5"), str(tmp_path / "plain.weights.h5")
+    model.save_weights(ours)
+    plain.save_weights(theirs)
+    renamed = {k.replace("sparse_embedding", "embedding"): v
+               for k, v in file_layout(ours).items()}
+    assert renamed == file_layout(theirs)
+    store = {}
+    emb.save_own_variables(store)
+    store = {k: to_np(v) for k, v in store.items()}  # copies, as a file holds
+    plain.get_layer("emb").load_own_variables(store)
+    x = xs.reshape(-1, N_IDS)[:16]
+    np.testing.assert_array_equal(to_np(plain.predict(x, verbose=0)),
+                                  to_np(model.predict(x, verbose=0)))
+    want = _read(to_np(emb.embeddings), to_np(emb.embeddings_scale))[x]
+    # (XLA may divide as a multiplication by the reciprocal: within an ulp.)
+    np.testing.assert_allclose(to_np(model.predict(x, verbose=0)), want, rtol=3e-7)
+
+
+def test_resume_from_a_saved_model_is_bit_for_bit(tmp_path):
+    """The last step's rows (still in the write buffer when `fit` returns) are in
+    the file; the loaded model continues exactly as the uninterrupted run."""
+    rng = np.random.default_rng(2)
+    xs, ys = batches(rng, 8, BATCH, N_IDS, VOCAB, WIDTH)
+    x, y = xs.reshape(-1, N_IDS), ys.reshape(-1, N_IDS, WIDTH)
+
+    def fresh():
+        keras.utils.set_random_seed(4)
+        model, emb = table_model(VOCAB, WIDTH, N_IDS, sparseopt.updaters.Adam(0.05),
+                                 dtype="int8")
+        model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)),
+                      loss=dot_loss)
+        return model, emb
+
+    whole, emb = fresh()
+    whole.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    first, _ = fresh()
+    first.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    first.save(tmp_path / "m.keras")
+    again = keras.saving.load_model(tmp_path / "m.keras",
+                                    custom_objects={"dot_loss": dot_loss})
+    again.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    layer = again.get_layer("emb")
+    assert layer.int8 is not None
+    np.testing.assert_array_equal(to_np(layer.embeddings), to_np(emb.embeddings))
+    np.testing.assert_array_equal(to_np(layer.embeddings_scale), to_np(emb.embeddings_scale))
+    for k, v in whole.optimizer.table_state(emb.embeddings).items():
+        np.testing.assert_array_equal(
+            to_np(again.optimizer.table_state(layer.embeddings)[k]), to_np(v), err_msg=k)
+
+
+def test_a_skipped_step_writes_nothing():
+    """A non-finite gradient skips the step: the table and its state stay as they
+    were, bit for bit, and the next step trains as usual."""
+    rng = np.random.default_rng(5)
+    xs, ys = batches(rng, 3, BATCH, N_IDS, VOCAB, WIDTH)
+    model, emb, _ = _train(sparseopt.updaters.Adagrad(0.1), xs[:1], ys[:1])
+    before = (to_np(emb.embeddings), to_np(emb.embeddings_scale),
+              {k: to_np(v) for k, v in model.optimizer.table_state(emb.embeddings).items()})
+    bad = ys[1].copy()
+    bad[0, 0, 0] = np.nan
+    model.train_on_batch(xs[1], bad)
+    model.predict(xs[1], verbose=0)  # a call writes what the step buffered: nothing
+    np.testing.assert_array_equal(to_np(emb.embeddings), before[0])
+    np.testing.assert_array_equal(to_np(emb.embeddings_scale), before[1])
+    for k, v in model.optimizer.table_state(emb.embeddings).items():
+        np.testing.assert_array_equal(to_np(v), before[2][k], err_msg=k)
+    assert model.optimizer.skipped_steps() == {emb.embeddings.path: 1}
+    model.train_on_batch(xs[2], ys[2])
+    model.predict(xs[2], verbose=0)
+    assert not np.array_equal(to_np(emb.embeddings), before[0])
+
+
+def test_memory_is_a_quarter_of_float32_and_the_config_round_trips():
+    _, emb = table_model(VOCAB, 64, N_IDS, sparseopt.updaters.SGD(0.1), dtype="int8")
+    # (TF's train step differentiates weights only: there the probe is one.)
+    weights = [w for w in emb.weights if w is not emb._lookup.probe]
+    assert sorted(w.path for w in weights) == ["emb/embeddings", "emb/embeddings_scale"]
+    stored = sum(np.prod(w.shape) * np.dtype(w.dtype).itemsize for w in weights)
+    assert stored == VOCAB * (64 + 4)  # against 256 bytes a row in float32
+    config = emb.get_config()
+    assert config["dtype"] == "int8"
+    again = sparseopt.layers.SparseEmbedding.from_config(config)
+    assert again.int8 is not None and again.compute_dtype == "float32"
+
+
+REFUSED = {
+    "lazy=False": lambda: sparseopt.updaters.Adagrad(0.1, lazy=False),
+    "ema_momentum": lambda: sparseopt.updaters.SGD(0.1, ema_momentum=0.9),
+    "swa_period": lambda: sparseopt.updaters.SGD(0.1, swa_period=2),
+    "lookahead_period": lambda: sparseopt.updaters.SGD(0.1, lookahead_period=2),
+    "whole-table": lambda: sparseopt.updaters.Adafactor(0.1),
+}
+
+
+@pytest.mark.parametrize("option", sorted(REFUSED))
+def test_what_int8_tables_cannot_do_yet_is_refused_with_the_fix(option):
+    model, _ = table_model(VOCAB, WIDTH, N_IDS, REFUSED[option](), dtype="int8")
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)),
+                  loss=dot_loss)
+    xs, ys = batches(np.random.default_rng(0), 1, BATCH, N_IDS, VOCAB, WIDTH)
+    with pytest.raises(ValueError, match="int8.*bfloat16"):
+        model.train_on_batch(xs[0], ys[0])
+
+
+def test_int8_refusals_of_layers_and_accumulation():
+    with pytest.raises(ValueError, match="int8 tables are not open"):
+        sparseopt.layers.DynamicEmbedding(100, 4, sparseopt.updaters.SGD(0.1), dtype="int8")
+    with pytest.raises(ValueError, match="rows_per_step"):
+        sparseopt.layers.SparseEmbedding(100, 4, sparseopt.updaters.SGD(0.1), rows_per_step=8)
+    model, _ = table_model(VOCAB, WIDTH, N_IDS, sparseopt.updaters.SGD(0.1), dtype="int8")
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1),
+                                                        gradient_accumulation_steps=2),
+                  loss=dot_loss)
+    xs, ys = batches(np.random.default_rng(0), 1, BATCH, N_IDS, VOCAB, WIDTH)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps.*int8|int8.*gradient"):
+        model.train_on_batch(xs[0], ys[0])
+
+
+def test_a_step_updating_more_rows_than_the_buffer_holds_is_an_error():
+    ids = keras.Input((N_IDS,), dtype="int32")
+    emb = sparseopt.layers.SparseEmbedding(VOCAB, WIDTH, sparseopt.updaters.SGD(0.1),
+                                           dtype="int8", rows_per_step=16, name="emb")
+    model = keras.Model(ids, emb(ids))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)),
+                  loss=dot_loss)
+    xs, ys = batches(np.random.default_rng(0), 1, BATCH, N_IDS, VOCAB, WIDTH)
+    assert len(np.unique(xs[0])) > 16
+    with pytest.raises(Exception, match="rows_per_step"):
+        model.train_on_batch(xs[0], ys[0])
