@@ -4,7 +4,8 @@ Keras accumulates a full-size gradient per variable and applies the mean of
 the k gradients on every k-th step. A table's dense gradient is the size of
 the table, so a table keeps instead the ids and row gradients of each
 micro-batch, in buffers of `k x (ids per step)` entries (never sized by the
-vocabulary). On the k-th micro-step the k micro-batches' rows are
+vocabulary), and for an int8 table the rows its lookups read too. On the
+k-th micro-step the k micro-batches' rows are
 deduplicated together and their mean applied once: per row, the sum of all
 its gradients over the k micro-batches, divided by k, which is the row of
 Keras' mean dense gradient. Dense variables are accumulated here too, one
@@ -59,11 +60,18 @@ class Accumulator:
             grads = optimizer.add_variable(shape=(size, trainer.table.shape[1]),
                                            dtype="float32", initializer="zeros",
                                            name=f"{prefix}_accumulated_grads")
-            self.tables[id(trainer)] = (capacity, ids, grads)
+            read = None
+            if trainer.int8 is not None:
+                # The rows each lookup read: the int8 table's rule starts from them.
+                read = optimizer.add_variable(shape=(size, trainer.table.shape[1]),
+                                              dtype="float32", initializer="zeros",
+                                              name=f"{prefix}_accumulated_rows")
+            self.tables[id(trainer)] = (capacity, ids, grads, read)
 
     @property
     def variables(self):
-        return [*self.dense.values(), *(v for _, *vs in self.tables.values() for v in vs)]
+        return [*self.dense.values(),
+                *(v for _, *vs in self.tables.values() for v in vs if v is not None)]
 
     def add(self, micro, dense, rows, trainers, key):
         """Adds this micro-step's gradients: dense ones summed, rows into slot `micro`.
@@ -80,16 +88,24 @@ class Accumulator:
                 acc = self.dense[key(var)]
                 acc.assign(acc + ops.cast(ops.convert_to_tensor(grad), acc.dtype))
         for trainer in trainers:
-            capacity, ids_buffer, grads_buffer = self.tables[id(trainer)]
+            capacity, ids_buffer, grads_buffer, read_buffer = self.tables[id(trainer)]
             width = trainer.table.shape[1]
+            read = None
             if id(trainer) in rows:
                 record = rows[id(trainer)]
                 ids = ops.reshape(ops.cast(record.ids, "int32"), (-1,))
                 grads = ops.reshape(record.rows(), (-1, width))
+                if read_buffer is not None:
+                    read = ops.reshape(record.read, (-1, width))
             else:
                 ids, grads = ops.zeros((0,), "int32"), ops.zeros((0, width), "float32")
-            ids, grads = _padded(ids, grads, capacity, trainer.name)
+            if read_buffer is not None and read is None:
+                read = ops.zeros((0, width), "float32")
             start = micro * capacity
+            if read_buffer is not None:
+                _, read = _padded(ids, read, capacity, trainer.name)
+                backend.write_rows(read_buffer, start, read)
+            ids, grads = _padded(ids, grads, capacity, trainer.name)
             backend.write_rows(ids_buffer, start, ids)
             backend.write_rows(grads_buffer, start, grads)
 
@@ -108,10 +124,11 @@ class Accumulator:
                               variables)
         rows = {}
         for trainer in trainers:
-            _, ids_buffer, grads_buffer = self.tables[id(trainer)]
+            _, ids_buffer, grads_buffer, read_buffer = self.tables[id(trainer)]
+            read = read_buffer.value if read_buffer is not None else None
             # TF MirroredStrategy: every replica's micro-batches, applied by each.
             rows[id(trainer)] = backend.all_replicas(
-                RowGrads(ids_buffer.value, grads_buffer.value / self.steps))
+                RowGrads(ids_buffer.value, grads_buffer.value / self.steps, read=read))
         return means, rows
 
     def reset(self):

@@ -179,41 +179,35 @@ def replicas(tables):
         )
 
 
-def int8_table(path, updater, placed, replicas, accumulation):
+def int8_table(path, updater, placed, replicas):
     """What an int8 table's step cannot do yet, each refused with the fix.
 
     Its rows reach the table only through the step's write buffer, which
     holds the rows looked up in the step (`sparseopt.int8_table`): whatever
-    writes other rows, or every row, has no way in yet.
+    writes other rows inside a step has no way in yet. (Whole-table writes
+    between steps, as the end of `fit` makes, assign the table directly.)
 
     Args:
         path: the table's path.
         updater: its `Updater`.
         placed: whether a `keras.distribution` places the table.
         replicas: whether TF replicas each hold a copy.
-        accumulation: whether `gradient_accumulation_steps` is set.
     """
     fix = "or store the table in bfloat16 (half the memory of float32)"
-    writes_all = (
-        ("lazy=False or ema_momentum", updater.tracks_rows,
-         "their catch-up writes every row"),
-        ("swa_period", updater.swa is not None, "the average is written to every row"),
-        ("lookahead_period", updater.lookahead is not None,
-         "its sync writes rows changed in earlier steps"),
-        ("whole-table or per-column state", bool(updater.whole_slots),
-         "that state is updated from every row's values"),
-    )
-    for option, used, why in writes_all:
-        if used:
-            raise ValueError(
-                f"Table '{path}' (int8): {type(updater).__name__} with {option} is not "
-                f"supported on int8 tables yet: {why}, and an int8 table is written only "
-                f"through its step's buffer of looked-up rows. Leave it out, {fix}.")
+    if updater.lookahead is not None:
+        raise ValueError(
+            f"Table '{path}' (int8): {type(updater).__name__} with lookahead_period is not "
+            "supported on int8 tables: its sync reads and writes, inside a step, rows changed "
+            "earlier in the window, and an int8 table's step sees only the rows its lookups "
+            f"read in that step. Leave it out, {fix}.")
+    if any(spec.from_table is not None for spec in updater.slots):
+        raise ValueError(
+            f"Table '{path}' (int8): {type(updater).__name__}(lazy=False) keeps statistics "
+            "of the whole table's values, which int8 tables do not support yet. Use "
+            f"lazy=True, {fix}.")
     for option, used in (("row sharding (a keras.distribution placing the table)", placed),
-                         ("TF distribution replicas", replicas),
-                         ("gradient_accumulation_steps", accumulation)):
+                         ("TF distribution replicas", replicas)):
         if used:
             raise ValueError(
                 f"Table '{path}' (int8): {option} is not supported on int8 tables yet (the "
-                f"write buffer holds one device's step). Train it on one device without "
-                f"it, {fix}.")
+                f"write buffer holds one device's step). Train it on one device, {fix}.")

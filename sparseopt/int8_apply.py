@@ -12,16 +12,17 @@ state), with two differences forced by where an int8 table lives
   16-bit writes by seed, table, step, global row and column) and handed to
   the table's write buffer, which the layer's next call writes.
 
-The updater's state is float32 (or `state_dtype`) per-row slots, updated in
-place as for any table. A skipped step (non-finite gradients) hands over
-nothing and leaves the state as it was.
+The updater's state is float32 (or `state_dtype`), updated in place as for
+any table (whole slots first, from the step's rows, as `sparse_apply`
+does). A skipped step (non-finite gradients) hands over nothing and leaves
+the state as it was.
 """
 
 from keras import ops
 
 from sparseopt import backend, precision, quantization
 from sparseopt.sparse_apply import as_computed
-from sparseopt.updaters import hyperparameters
+from sparseopt.updaters import hyperparameters, transforms
 
 # The stochastic-rounding stream of the table's codes (its slots use `1 + i`).
 CODES_STREAM = 0
@@ -32,7 +33,7 @@ def finish_int8(updater, table, int8, slots, prepared, values, step, workspace, 
     """Applies the rule to a `prepare`d step of an int8 table.
 
     Args:
-        updater: the table's `Updater` (per-row slots only).
+        updater: the table's `Updater`.
         table: the table's codes variable (for its shape and path).
         int8: its `sparseopt.int8_table.Int8Table`.
         slots: `{slot name: Keras variable}`.
@@ -60,10 +61,13 @@ def finish_int8(updater, table, int8, slots, prepared, values, step, workspace, 
     # Where dedup left each distinct id's representative occurrence.
     positions = backend.gather(workspace.value, uniq)
     rows = backend.gather(read, positions)
-    names = sorted(slots)
+    kinds = {spec.name: spec for spec in updater.slots}
+    names = sorted(n for n in slots if kinds[n].per_row)
     state = {n: as_computed(backend.gather(slots[n].value, uniq)) for n in names}
+    whole = _update_whole(updater, slots, rows, state, summed, count, finite, values, step,
+                          table.shape[0])
     with hyperparameters.reading(updater, values):
-        new_rows, new_state = updater.apply_rule(rows, state, summed,
+        new_rows, new_state = updater.apply_rule(rows, {**state, **whole}, summed,
                                                  values["learning_rate"], step)
     index = precision.variable_indices(updater)
     for n in names:
@@ -72,12 +76,48 @@ def finish_int8(updater, table, int8, slots, prepared, values, step, workspace, 
                                                         index[n]))
     # (Padding entries, from `count` on, read real rows with zero gradient, and
     # are never written: the buffer keeps `count`.)
-    bits = None
-    if rounding.stochastic:
-        global_ids = ops.cast(uniq, "int32") + ops.cast(rounding.row_offset, "int32")
-        bits = precision.random_bits(
-            precision.stream_key(rounding.seed, rounding.table_index, CODES_STREAM), step,
-            global_ids, table.shape[1])
-    codes, scale = quantization.quantize(new_rows, bits)
+    codes, scale = quantized(new_rows, uniq, step, rounding)
     int8.hand_over(uniq, codes, scale, ops.where(finite, count, 0), table.path)
     return finite
+
+
+def _update_whole(updater, slots, rows, state, summed, count, finite, values, step,
+                  num_rows):
+    """Updates the whole slots (`"column"`, `"table"`) once from the step's rows, as
+    `sparse_apply` does: the rule's contributions summed over the `count` distinct
+    rows. Returns `{name: new float32 value}` (empty for most rules)."""
+    specs = updater.whole_slots
+    if not specs:
+        return {}
+    old = {s.name: ops.cast(slots[s.name].value, "float32") for s in specs}
+    with hyperparameters.reading(updater, values):
+        # The rows and gradients the rule will see (options applied first).
+        seen, grads = transforms.before_rule(updater.transforms, rows, summed,
+                                             values["learning_rate"], step)
+        parts = updater.contributions(seen, {**state, **old}, grads, step)
+    real = ops.less(ops.arange(ops.shape(rows)[0], dtype="int32"), count)
+    sums = {k: ops.sum(ops.where(ops.reshape(real, (-1,) + (1,) * (len(v.shape) - 1)), v, 0.0),
+                       axis=0) for k, v in parts.items()}
+    with hyperparameters.reading(updater, values):
+        new = updater.update_whole(dict(old), sums, num_rows, step)
+    out = {}
+    for spec in specs:
+        value = ops.where(finite, ops.cast(new[spec.name], "float32"), old[spec.name])
+        slots[spec.name].assign(ops.cast(value, slots[spec.name].dtype))
+        out[spec.name] = value
+    return out
+
+
+def quantized(rows, ids, step, rounding):
+    """`(codes, scale)` of float32 `rows` (rows `ids`) written at `step` with `rounding`.
+
+    Stochastic rounding draws the documented bits of (seed, table, stream 0,
+    step, global row, column), as a 16-bit table's writes do; else to nearest.
+    """
+    bits = None
+    if rounding.stochastic:
+        global_ids = ops.cast(ids, "int32") + ops.cast(rounding.row_offset, "int32")
+        bits = precision.random_bits(
+            precision.stream_key(rounding.seed, rounding.table_index, CODES_STREAM), step,
+            global_ids, rows.shape[1])
+    return quantization.quantize(rows, bits)

@@ -114,8 +114,37 @@ class Int8Table:
         backend.for_listed_rows(write, [self.codes, self.scale], positions, count)
 
     def clear(self):
-        """Forgets the buffered rows (after the table was loaded from a file)."""
+        """Forgets the buffered rows (after the table was loaded or written whole)."""
         self.buffered.assign(ops.zeros((2,), "float32"))
+
+    # -- whole-table reads and writes, between steps --------------------------
+
+    def whole(self):
+        """float32 `[V, D]`: every row, the buffered ones written first.
+
+        For the whole-table work of the end of `fit` (catch-up, averages),
+        outside the train step; it holds a float32 copy of the table.
+        """
+        self.flush()
+        return quantization.dequantize(self.codes.value, self.scale.value)
+
+    def assign_whole(self, values, quantize):
+        """Writes every row of float32 `values` `[V, D]` that differs from the table's.
+
+        Rows whose values are what the table reads keep their codes and scale
+        bit for bit (a row written again would be requantized). Empties the
+        buffer: its rows are in `values`.
+
+        Args:
+            values: the new rows.
+            quantize: `quantize(values, ids)` -> `(codes, scale)` of the rows.
+        """
+        old = self.whole()
+        changed = ops.any(ops.not_equal(values, old), axis=-1)
+        codes, scale = quantize(values, ops.arange(values.shape[0], dtype="int32"))
+        self.codes.assign(ops.where(ops.expand_dims(changed, -1), codes, self.codes.value))
+        self.scale.assign(ops.where(changed, scale, self.scale.value))
+        self.clear()
 
     # -- the optimizer's side ---------------------------------------------
 
@@ -131,7 +160,8 @@ class Int8Table:
         size = self.buffer.shape[0]
         fix = (f"Table '{table}' (int8) buffers at most {size:,} updated rows per step "
                f"until the next call writes them; this step updates more. Pass "
-               f"`rows_per_step=` at least the ids one step looks up "
+               f"`rows_per_step=` at least the ids one step looks up, times "
+               f"`gradient_accumulation_steps` if set "
                f"(`SparseEmbedding(..., dtype='int8', rows_per_step=...)`).")
         if ids.shape[0] is not None and ids.shape[0] > size:
             # JAX: the step's distinct ids are bounded statically (min(ids, V)).

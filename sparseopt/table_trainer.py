@@ -17,7 +17,7 @@ from keras import ops
 from sparseopt import backend, checks, compat, precision, storage, updaters
 from sparseopt.updaters import hyperparameters
 from sparseopt.distribution import layout_like, replicated_beside
-from sparseopt.int8_apply import finish_int8
+from sparseopt.int8_apply import finish_int8, quantized
 from sparseopt.lookahead_window import LookaheadWindow
 from sparseopt.sparse_apply import (
     MAX_GROUP_ROWS, as_computed, finish, finish_group, prepare, prepare_group, sparse_apply)
@@ -116,8 +116,7 @@ class TableTrainer:
                 "DynamicEmbedding.")
         if self.int8 is not None:
             checks.int8_table(table.path, self.updater, compat.layout_of(table) is not None,
-                              backend.replica_strategy() is not None,
-                              bool(getattr(optimizer, "gradient_accumulation_steps", None)))
+                              backend.replica_strategy() is not None)
         self.rounding = precision.Rounding(self.storage.stochastic_rounding,
                                            self.storage.rounding_seed, index)
         for spec in self.updater.slots:
@@ -323,9 +322,23 @@ class TableTrainer:
         if not self.updater.tracks_rows:
             return
         rows, state = self._caught_up(steps_done, learning_rate_scale)
-        self._write_whole(self.table, rows, steps_done, 0)
+        self._write_table(rows, steps_done)
         for name, index in precision.variable_indices(self.updater).items():
             self._write_whole(self.slots[name], state[name], steps_done, index)
+
+    def _table_values(self):
+        """float32 `[V, D]`: the whole table (an int8 table's rows read back)."""
+        if self.int8 is not None:
+            return self.int8.whole()
+        return ops.cast(self.table.value, "float32")
+
+    def _write_table(self, values, step):
+        """Assigns every row of the table, rounded (or quantized) as the step's writes are."""
+        if self.int8 is not None:
+            self.int8.assign_whole(
+                values, lambda rows, ids: quantized(rows, ids, step, self.rounding))
+            return
+        self._write_whole(self.table, values, step, 0)
 
     def _write_whole(self, variable, values, step, variable_index):
         """Assigns every row, rounded as the step's writes are."""
@@ -339,7 +352,7 @@ class TableTrainer:
         values = self.values_at(max(steps_done - 1, 0), learning_rate_scale)
         with hyperparameters.reading(self.updater, values):
             return updaters.catch_up.whole_table(
-                self.updater, ops.cast(self.table.value, "float32"), state, steps_done,
+                self.updater, self._table_values(), state, steps_done,
                 values["learning_rate"])
 
     def moving_average(self, steps_done, learning_rate_scale=1.0):
@@ -352,15 +365,15 @@ class TableTrainer:
         `fit`); the average stays what it was."""
         self.catch_up(steps_done, learning_rate_scale)
         offset = self.slots[updaters.catch_up.EMA_OFFSET_SLOT]
-        self._write_whole(self.table, ops.cast(self.table.value, "float32")
-                          + ops.cast(offset.value, "float32"), steps_done, 0)
+        self._write_table(self._table_values() + ops.cast(offset.value, "float32"),
+                          steps_done)
         offset.assign(ops.zeros(offset.shape, offset.dtype))
 
     def swa_average(self, steps_done):
         """The table's SWA average after `steps_done` steps (`swa_period` only), a tensor."""
         start, period = self.updater.swa
         return updaters.swa.table_average(
-            ops.cast(self.table.value, "float32"),
+            self._table_values(),
             ops.cast(self.slots[updaters.swa.AVERAGE_SLOT].value, "float32"),
             self.slots[updaters.swa.COUNT_SLOT].value, steps_done, start, period)
 
@@ -369,7 +382,7 @@ class TableTrainer:
         the snapshots taken (the rows are their averages from here on)."""
         start, period = self.updater.swa
         average = self.swa_average(steps_done)
-        self._write_whole(self.table, average, steps_done, 0)
+        self._write_table(average, steps_done)
         self.slots[updaters.swa.AVERAGE_SLOT].assign(average)
         count = self.slots[updaters.swa.COUNT_SLOT]
         count.assign(ops.full(count.shape, updaters.swa.snapshots(steps_done, start, period),
