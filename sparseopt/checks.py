@@ -179,7 +179,7 @@ def replicas(tables):
         )
 
 
-def int8_table(path, updater, placed, replicas):
+def int8_table(path, updater, placed):
     """What an int8 table's step cannot do yet, each refused with the fix.
 
     Its rows reach the table only through the step's write buffer, which
@@ -191,7 +191,6 @@ def int8_table(path, updater, placed, replicas):
         path: the table's path.
         updater: its `Updater`.
         placed: whether a `keras.distribution` places the table.
-        replicas: whether TF replicas each hold a copy.
     """
     fix = "or store the table in bfloat16 (half the memory of float32)"
     if updater.lookahead is not None:
@@ -205,9 +204,7 @@ def int8_table(path, updater, placed, replicas):
             f"Table '{path}' (int8): {type(updater).__name__}(lazy=False) keeps statistics "
             "of the whole table's values, which int8 tables do not support yet. Use "
             f"lazy=True, {fix}.")
-    for option, used in (("row sharding (a keras.distribution placing the table)", placed),
-                         ("TF distribution replicas", replicas)):
-        if used:
-            raise ValueError(
-                f"Table '{path}' (int8): {option} is not supported on int8 tables yet (the "
-                f"write buffer holds one device's step). Train it on one device, {fix}.")
+    if placed:
+        raise ValueError(
+            f"Table '{path}' (int8): row sharding (a keras.distribution placing the table) is "
+            f"not supported on int8 tables yet. Train it replicated or on one device, {fix}.")

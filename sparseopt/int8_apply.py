@@ -53,14 +53,42 @@ def finish_int8(updater, table, int8, slots, prepared, values, step, workspace, 
     if factor is not None:
         finite = ops.logical_and(finite, ops.isfinite(factor))
         distinct = distinct.scaled(factor)
-    uniq, summed, count = distinct
-    read = prepared.record.read
+    rows = rows_read(prepared.record.read, workspace, distinct.ids, table.path)
+    update_int8(updater, table, int8, slots, distinct, rows, finite, values, step, rounding)
+    return finite
+
+
+def rows_read(read, workspace, ids, table, offset=0):
+    """The rows the step's lookups read for each distinct id: `[M, D]` float32.
+
+    `dedup` left in `workspace[id]` the position of one occurrence of each id
+    in the step's record (`read` holds that record's rows, in order); every
+    occurrence read the same row.
+
+    Args:
+        read: float32 `[N, D]`, `RowGrads.read` of the step's record.
+        workspace: the dedup workspace.
+        ids: int32 `[M]` distinct ids (in the workspace's id space minus `offset`).
+        table: the table's path, for the message.
+        offset: the table's first id in the workspace (a group's shifted ids).
+    """
     if read is None:
-        raise ValueError(f"Table '{table.path}' (int8): its step has no rows read by its "
-                         "lookup; it can only be trained from `SparseLookup` calls.")
-    # Where dedup left each distinct id's representative occurrence.
-    positions = backend.gather(workspace.value, uniq)
-    rows = backend.gather(read, positions)
+        raise ValueError(f"Table '{table}' (int8): its step has no rows read by its lookup; "
+                         "it can only be trained from `SparseLookup` calls.")
+    positions = backend.gather(workspace.value, ids + offset)
+    return backend.gather(read, positions)
+
+
+def update_int8(updater, table, int8, slots, distinct, rows, finite, values, step, rounding):
+    """The rule on `distinct`'s rows `rows` (as read), state in place, rows to the buffer.
+
+    Args:
+        distinct: the table's `Distinct` ids (in its own rows) and summed gradients.
+        rows: float32 `[M, D]`, each distinct id's row as the step read it.
+        finite: boolean scalar: whether to apply (else nothing changes).
+        Others: as for `finish_int8`.
+    """
+    uniq, summed, count = distinct
     kinds = {spec.name: spec for spec in updater.slots}
     names = sorted(n for n in slots if kinds[n].per_row)
     state = {n: as_computed(backend.gather(slots[n].value, uniq)) for n in names}
@@ -78,7 +106,6 @@ def finish_int8(updater, table, int8, slots, prepared, values, step, workspace, 
     # are never written: the buffer keeps `count`.)
     codes, scale = quantized(new_rows, uniq, step, rounding)
     int8.hand_over(uniq, codes, scale, ops.where(finite, count, 0), table.path)
-    return finite
 
 
 def _update_whole(updater, slots, rows, state, summed, count, finite, values, step,

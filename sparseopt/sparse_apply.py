@@ -259,12 +259,16 @@ def prepare_group(members, workspace=None):
         local = ops.cast(ops.where(valid, ids, 0), "int32")
         # Invalid: in no table.
         shifted.append(RowGrads(ops.where(valid, local + offset, total),
-                                record.grads).as_float32())
+                                record.grads, read=record.read).as_float32())
         finite.append(shifted[-1].all_finite())
-    distinct = backend.dedup(RowGrads.concatenate(shifted), total, workspace)
+    record = RowGrads.concatenate(shifted)
+    distinct = backend.dedup(record, total, workspace)
     sizes = [table.shape[0] if r.ids.shape[0] is None else min(r.ids.shape[0], table.shape[0])
              for table, r in members]  # static bounds (JAX slices by them)
-    return PreparedGroup(distinct, finite, offsets + [total], sizes)
+    prepared = PreparedGroup(distinct, finite, offsets + [total], sizes)
+    # int8 tables' rows as their lookups read them (`sparseopt.int8_apply`).
+    prepared.read, prepared.workspace = record.read, workspace
+    return prepared
 
 
 def finish_group(updater, members, prepared, values, step, roundings=None, factor=None):

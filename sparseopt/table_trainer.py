@@ -17,7 +17,7 @@ from keras import ops
 from sparseopt import backend, checks, compat, precision, storage, updaters
 from sparseopt.updaters import hyperparameters
 from sparseopt.distribution import layout_like, replicated_beside
-from sparseopt.int8_apply import finish_int8, quantized
+from sparseopt.int8_apply import finish_int8, quantized, rows_read, update_int8
 from sparseopt.lookahead_window import LookaheadWindow
 from sparseopt.sparse_apply import (
     MAX_GROUP_ROWS, as_computed, finish, finish_group, prepare, prepare_group, sparse_apply)
@@ -115,8 +115,7 @@ class TableTrainer:
                 "outside the rule when it gives a row to a new id. Use lazy=True on a "
                 "DynamicEmbedding.")
         if self.int8 is not None:
-            checks.int8_table(table.path, self.updater, compat.layout_of(table) is not None,
-                              backend.replica_strategy() is not None)
+            checks.int8_table(table.path, self.updater, compat.layout_of(table) is not None)
         self.rounding = precision.Rounding(self.storage.stochastic_rounding,
                                            self.storage.rounding_seed, index)
         for spec in self.updater.slots:
@@ -406,9 +405,8 @@ class TableTrainer:
         laid out by its own sharding.
         """
         if (compat.layout_of(self.table) is not None or self.vocabulary is not None
-                or self.updater.lookahead is not None or self.int8 is not None):
-            # (An open vocabulary's step and Lookahead's window continue after the
-            # rule; an int8 table's rule starts from the rows its lookups read.)
+                or self.updater.lookahead is not None):
+            # (An open vocabulary's step and Lookahead's window continue after the rule.)
             return None
         updater = self.updater
         cls = type(updater)
@@ -496,9 +494,26 @@ class TableGroup:
         trainers = prepared.trainers
         # Each member reads its own hyperparameters (its updater's variables).
         values = [t.values_at(iteration, learning_rate_scale) for t in trainers]
+        if trainers[0].int8 is not None:  # (a group's tables share their dtype)
+            self._finish_int8(prepared, values, iteration + 1, factor)
+            return
         applied = finish_group(self.updater, [(t.table, t.slots) for t in trainers], prepared,
                                values, iteration + 1, [t.rounding for t in trainers], factor)
         for trainer, ok in zip(trainers, applied):
+            trainer.count_skipped(ok)
+
+    def _finish_int8(self, prepared, values, step, factor):
+        """`finish` of int8 tables: each member's rule on the rows its lookups read."""
+        distinct, finite = prepared.distinct, prepared.finite
+        if factor is not None:
+            distinct = distinct.scaled(factor)
+            finite = [ops.logical_and(ok, ops.isfinite(factor)) for ok in finite]
+        parts = backend.split_by_table(distinct, prepared.offsets, prepared.sizes)
+        for trainer, part, ok, own, offset in zip(prepared.trainers, parts, finite, values,
+                                                  prepared.offsets):
+            rows = rows_read(prepared.read, prepared.workspace, part.ids, trainer.name, offset)
+            update_int8(trainer.updater, trainer.table, trainer.int8, trainer.slots, part, rows,
+                        ok, own, step, trainer.rounding)
             trainer.count_skipped(ok)
 
 

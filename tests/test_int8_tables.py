@@ -315,3 +315,21 @@ def test_a_step_updating_more_rows_than_the_buffer_holds_is_an_error():
     assert len(np.unique(xs[0])) > 16
     with pytest.raises(Exception, match="rows_per_step"):
         model.train_on_batch(xs[0], ys[0])
+
+
+def test_grouped_int8_tables_are_written_as_tables_alone():
+    """`group_tables=True`: one dedup for both int8 tables, each member's rule on the
+    rows its own lookups read (found through the group's workspace); the codes and
+    scales equal those of each table updated alone (float rounding aside: another
+    compiled program)."""
+    from tests.test_precision import _two_tables
+
+    grouped, model = _two_tables(seed=0, dtype="int8", group_tables=True)
+    alone, _ = _two_tables(seed=0, dtype="int8")
+    assert model.optimizer.table_groups == [["a/embeddings", "b/embeddings"]]
+    for a, b in zip(grouped, alone):
+        if a.dtype == np.int8:
+            assert np.mean(a == b) > 0.99
+            assert np.max(np.abs(a.astype(int) - b)) <= 1
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-5)

@@ -227,15 +227,17 @@ def all_replicas(record):
         return record
     ids, grads = context.all_gather(record.ids, axis=0), record.grads
     # (An open vocabulary's `changed` is the same on every replica: its map
-    # works on every replica's ids, `gather_over_replicas`.)
+    # works on every replica's ids, `gather_over_replicas`.) An int8 table's
+    # rows as read travel with their ids.
+    read = None if record.read is None else context.all_gather(record.read, axis=0)
     if isinstance(grads, BagGrads):
         # Bag numbers are per replica: shift them past the earlier replicas' bags.
         offset = _start(context, tf.shape(grads.values, out_type=grads.bag.dtype)[:1])
         return RowGrads(ids, BagGrads(context.all_gather(grads.values, axis=0),
                                       context.all_gather(grads.bag + offset, axis=0),
                                       context.all_gather(grads.weight, axis=0)), record.calls,
-                        record.changed)
-    return RowGrads(ids, context.all_gather(grads, axis=0), record.calls, record.changed)
+                        record.changed, read)
+    return RowGrads(ids, context.all_gather(grads, axis=0), record.calls, record.changed, read)
 
 
 def gather_over_replicas(values):

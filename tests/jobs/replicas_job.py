@@ -6,8 +6,8 @@ The device count is fixed when TensorFlow starts, hence a process of its
 own. Each run leaves in OUT_DIR (`<run>.npz`: arrays; `<run>.json`: counts
 and messages):
 
-- `fit`: `init/...`, the initial weights of a four-table recommender (Adagrad twice, momentum SGD mean-pooled
-  over skewed ids, `lazy=False` momentum SGD sum-pooled; invalid ids and
+- `fit`: `init/...`, the initial weights of a five-table recommender (Adagrad twice, momentum SGD mean-pooled
+  over skewed ids, `lazy=False` momentum SGD sum-pooled, Adam on an int8 table; invalid ids and
   duplicates in every batch) trained by `fit` on one device (`single/...`)
   and by 4 replicas at the same global batch, tables apart (`multi/...`) and
   grouped (`grouped/...`), every replica's copy of every variable
@@ -67,7 +67,8 @@ def recommender(group_tables=False, **options):
     keras.utils.set_random_seed(1)
     up = sparseopt.updaters
     inputs = {n: keras.Input((k,), dtype="int32", name=n)
-              for n, k in {"user_ids": 3, "user2_ids": 2, "item_ids": 5, "tag_ids": 4}.items()}
+              for n, k in {"user_ids": 3, "user2_ids": 2, "item_ids": 5, "tag_ids": 4,
+                           "user8_ids": 3}.items()}
     parts = [
         keras.layers.Flatten()(sparseopt.layers.SparseEmbedding(
             50, WIDTH, up.Adagrad(0.3), name="user")(inputs["user_ids"])),
@@ -79,6 +80,9 @@ def recommender(group_tables=False, **options):
                                          combiner="mean", name="item")(inputs["item_ids"]),
         sparseopt.layers.SparseEmbedding(40, WIDTH, up.SGD(0.1, momentum=0.5, lazy=False),
                                          combiner="sum", name="tag")(inputs["tag_ids"]),
+        # (int8: each replica's write buffer and its copy of the codes.)
+        keras.layers.Flatten()(sparseopt.layers.SparseEmbedding(
+            45, WIDTH, up.Adam(0.05), dtype="int8", name="user8")(inputs["user8_ids"])),
     ]
     out = keras.layers.Dense(1, name="head")(keras.layers.Concatenate()(parts))
     model = keras.Model(inputs, out)
@@ -93,7 +97,8 @@ def recommender_data(seed=0):
     x = {"user_ids": rng.integers(0, 50, (EXAMPLES, 3)),
          "user2_ids": rng.integers(0, 60, (EXAMPLES, 2)),
          "item_ids": rng.integers(0, 8, (EXAMPLES, 5)),  # skewed: 8 of 30 rows
-         "tag_ids": rng.integers(-1, 40, (EXAMPLES, 4))}  # -1: padding, dropped
+         "tag_ids": rng.integers(-1, 40, (EXAMPLES, 4)),  # -1: padding, dropped
+         "user8_ids": rng.integers(0, 45, (EXAMPLES, 3))}
     x = {n: v.astype("int32") for n, v in x.items()}
     x["user_ids"][::5, 0] = 50  # out of range in every batch
     x["user_ids"][1::BATCH, :2] = x["user_ids"][::BATCH, :2]  # duplicates within a batch
