@@ -179,18 +179,17 @@ def replicas(tables):
         )
 
 
-def int8_table(path, updater, placed):
-    """What an int8 table's step cannot do yet, each refused with the fix.
+def int8_table(path, updater):
+    """What an int8 table's step cannot do: Lookahead, refused with the fix.
 
     Its rows reach the table only through the step's write buffer, which
-    holds the rows looked up in the step (`sparseopt.int8_table`): whatever
-    writes other rows inside a step has no way in yet. (Whole-table writes
+    holds the rows looked up in the step (`sparseopt.int8_table`): a sync
+    inside a step of rows changed earlier has no way in. (Whole-table writes
     between steps, as the end of `fit` makes, assign the table directly.)
 
     Args:
         path: the table's path.
         updater: its `Updater`.
-        placed: whether a `keras.distribution` places the table.
     """
     fix = "or store the table in bfloat16 (half the memory of float32)"
     if updater.lookahead is not None:
@@ -198,13 +197,5 @@ def int8_table(path, updater, placed):
             f"Table '{path}' (int8): {type(updater).__name__} with lookahead_period is not "
             "supported on int8 tables: its sync reads and writes, inside a step, rows changed "
             "earlier in the window, and an int8 table's step sees only the rows its lookups "
-            f"read in that step. Leave it out, {fix}.")
-    if any(spec.from_table is not None for spec in updater.slots):
-        raise ValueError(
-            f"Table '{path}' (int8): {type(updater).__name__}(lazy=False) keeps statistics "
-            "of the whole table's values, which int8 tables do not support yet. Use "
-            f"lazy=True, {fix}.")
-    if placed:
-        raise ValueError(
-            f"Table '{path}' (int8): row sharding (a keras.distribution placing the table) is "
-            f"not supported on int8 tables yet. Train it replicated or on one device, {fix}.")
+            "read in that step (syncing them would need a write buffer for every row of the "
+            f"window). Leave it out, {fix}.")

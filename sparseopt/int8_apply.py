@@ -21,6 +21,7 @@ the state as it was.
 from keras import ops
 
 from sparseopt import backend, precision, quantization
+from sparseopt.row_grads import Distinct
 from sparseopt.sparse_apply import as_computed
 from sparseopt.updaters import hyperparameters, transforms
 
@@ -49,13 +50,55 @@ def finish_int8(updater, table, int8, slots, prepared, values, step, workspace, 
         A boolean scalar tensor: whether the update was applied.
     """
     finite = prepared.finite
-    distinct = prepared.distinct
     if factor is not None:
         finite = ops.logical_and(finite, ops.isfinite(factor))
+    if prepared.distinct is None:
+        # Split by rows over devices: deduplicated here, by a hash of the step's ids
+        # (batch-sized; the workspace is split like the table).
+        distinct, positions = dedup_by_hash(prepared.record, table.shape[0])
+        _check_read(prepared.record.read, table.path)
+        rows = backend.gather(prepared.record.read, positions)
+    else:
+        distinct = prepared.distinct
+        rows = rows_read(prepared.record.read, workspace, distinct.ids, table.path)
+    if factor is not None:
         distinct = distinct.scaled(factor)
-    rows = rows_read(prepared.record.read, workspace, distinct.ids, table.path)
     update_int8(updater, table, int8, slots, distinct, rows, finite, values, step, rounding)
     return finite
+
+
+def dedup_by_hash(record, num_rows):
+    """`(Distinct, positions)` of `record` without a workspace: the distinct valid ids
+    in order of first occurrence (then padding ids past the table), their summed
+    gradients, and where in the record each first occurs.
+
+    Args:
+        record: the step's float32 `RowGrads`.
+        num_rows: the table's rows.
+    """
+    ids = ops.cast(ops.reshape(record.ids, (-1,)), "int32")
+    n = ids.shape[0]
+    valid = ops.logical_and(ops.greater_equal(ids, 0), ops.less(ids, num_rows))
+    first = backend.first_occurrences(ops.zeros_like(ids), ids, valid)
+    position = ops.arange(n, dtype="int32")
+    is_first = ops.logical_and(valid, ops.equal(first, position))
+    slot = ops.cumsum(ops.cast(is_first, "int32")) - 1
+    count = ops.sum(ops.cast(is_first, "int32"))
+    size = min(n, num_rows)
+    # Entries past `size` (invalid ids, and later occurrences' own slots) are cut off.
+    segment = ops.where(valid, ops.take(slot, first), size)
+    summed = ops.segment_sum(record.rows(), segment, num_segments=size + 1)[:size]
+    at = ops.expand_dims(ops.where(is_first, slot, size), 1)
+    padding = ops.arange(num_rows, num_rows + size + 1, dtype="int32")
+    uniq = ops.scatter_update(padding, at, ids)[:size]
+    positions = ops.scatter_update(ops.zeros((size + 1,), "int32"), at, position)[:size]
+    return Distinct(uniq, summed, count), positions
+
+
+def _check_read(read, table):
+    if read is None:
+        raise ValueError(f"Table '{table}' (int8): its step has no rows read by its lookup; "
+                         "it can only be trained from `SparseLookup` calls.")
 
 
 def rows_read(read, workspace, ids, table, offset=0):
@@ -72,9 +115,7 @@ def rows_read(read, workspace, ids, table, offset=0):
         table: the table's path, for the message.
         offset: the table's first id in the workspace (a group's shifted ids).
     """
-    if read is None:
-        raise ValueError(f"Table '{table}' (int8): its step has no rows read by its lookup; "
-                         "it can only be trained from `SparseLookup` calls.")
+    _check_read(read, table)
     positions = backend.gather(workspace.value, ids + offset)
     return backend.gather(read, positions)
 

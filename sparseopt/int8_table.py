@@ -33,7 +33,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from sparseopt import backend, quantization
+from sparseopt import backend, distribution, quantization
 from sparseopt.layers import block_init
 from sparseopt.vocabulary.pending import decode_step, encode_step, join_halves, split_halves
 
@@ -72,9 +72,16 @@ class Int8Table:
         self.codes = layer.add_weight(shape=shape, dtype="int8", trainable=False,
                                       initializer=_Given(codes), name="embeddings",
                                       autocast=False)
-        self.scale = layer.add_weight(shape=(num_rows,), dtype="float32", trainable=False,
-                                      initializer=_Given(scale), name="embeddings_scale",
-                                      autocast=False)
+        layout = distribution.rows_like(self.codes, 1)
+        if layout is None:
+            self.scale = layer.add_weight(shape=(num_rows,), dtype="float32", trainable=False,
+                                          initializer=_Given(scale), name="embeddings_scale",
+                                          autocast=False)
+        else:  # split by rows like the codes (a row's scale lives with its codes)
+            with keras.name_scope(layer.name, caller=layer):
+                self.scale = keras.Variable(_Given(scale), shape=(num_rows,), dtype="float32",
+                                            trainable=False, name="embeddings_scale",
+                                            layout=layout)
         rows = min(num_rows, self.rows_per_step or DEFAULT_ROWS_PER_STEP)
         # Written by the optimizer: trainable where only trainable variables
         # can be (JAX); never trained.

@@ -14,7 +14,7 @@ import weakref
 import keras
 from keras import ops
 
-from sparseopt import backend, checks, compat, precision, storage, updaters
+from sparseopt import backend, checks, compat, precision, quantization, storage, updaters
 from sparseopt.updaters import hyperparameters
 from sparseopt.distribution import layout_like, replicated_beside
 from sparseopt.int8_apply import finish_int8, quantized, rows_read, update_int8
@@ -24,13 +24,18 @@ from sparseopt.sparse_apply import (
 
 
 class _FromTable(keras.initializers.Initializer):
-    """A whole slot's start computed from the table (`SlotSpec.from_table`)."""
+    """A whole slot's start computed from the table (`SlotSpec.from_table`).
 
-    def __init__(self, fn, table):
-        self.fn, self.table = fn, table
+    Args:
+        fn: the slot's `from_table`.
+        values: returns the table's float32 values (an int8 table's read back).
+    """
+
+    def __init__(self, fn, values):
+        self.fn, self.values = fn, values
 
     def __call__(self, shape, dtype=None):
-        return ops.cast(self.fn(ops.cast(self.table.value, "float32")), dtype)
+        return ops.cast(self.fn(self.values()), dtype)
 
 
 class _Filled(keras.initializers.Initializer):
@@ -115,13 +120,13 @@ class TableTrainer:
                 "outside the rule when it gives a row to a new id. Use lazy=True on a "
                 "DynamicEmbedding.")
         if self.int8 is not None:
-            checks.int8_table(table.path, self.updater, compat.layout_of(table) is not None)
+            checks.int8_table(table.path, self.updater)
         self.rounding = precision.Rounding(self.storage.stochastic_rounding,
                                            self.storage.rounding_seed, index)
         for spec in self.updater.slots:
             shape = spec.shape(table.shape)
             start = (_Filled(spec.initial_value) if spec.from_table is None
-                     else _FromTable(spec.from_table, table))
+                     else _FromTable(spec.from_table, self._values_as_built))
             self.slots[spec.name] = optimizer.add_variable(
                 shape=shape, initializer=start,
                 dtype=spec.dtype_for(self.storage.state_dtype),
@@ -324,6 +329,13 @@ class TableTrainer:
         self._write_table(rows, steps_done)
         for name, index in precision.variable_indices(self.updater).items():
             self._write_whole(self.slots[name], state[name], steps_done, index)
+
+    def _values_as_built(self):
+        """float32 `[V, D]`: the table when its optimizer is built (an int8 table's
+        buffer is empty then: it fills only in steps)."""
+        if self.int8 is not None:
+            return quantization.dequantize(self.int8.codes.value, self.int8.scale.value)
+        return ops.cast(self.table.value, "float32")
 
     def _table_values(self):
         """float32 `[V, D]`: the whole table (an int8 table's rows read back)."""

@@ -418,11 +418,13 @@ def test_admission_by_probability_is_reproducible_and_near_its_rate():
     assert abs(len(first) - 256) < 4 * np.sqrt(1024 * 0.25 * 0.75)
 
 
-def test_checkpoints_hold_the_map_and_resume_exactly(tmp_path):
+@pytest.mark.parametrize("dtype", [None, "int8"])
+def test_checkpoints_hold_the_map_and_resume_exactly(tmp_path, dtype):
     rng = np.random.default_rng(0)
     xs = rng.choice(POOL, size=(8, BATCH, N_IDS)).astype("int32")
     ys = rng.normal(size=(8, BATCH, N_IDS, WIDTH)).astype("float32")
-    model, layer = dynamic_model(6, sparseopt.updaters.Adagrad(0.1), probes=3, init="uniform")
+    model, layer = dynamic_model(6, sparseopt.updaters.Adagrad(0.1), probes=3, init="uniform",
+                                 dtype=dtype)
     for x, y in zip(xs[:4], ys[:4]):
         model.train_on_batch(x, y)
     path = os.path.join(tmp_path, "m.keras")
@@ -434,6 +436,9 @@ def test_checkpoints_hold_the_map_and_resume_exactly(tmp_path):
     dyn = loaded.get_layer("dyn")
     for x, y in zip(xs[4:], ys[4:]):
         loaded.train_on_batch(x, y)
+    if dtype == "int8":  # (the last step's rows, as the next call writes them)
+        dyn.int8.flush(), layer.int8.flush()
+        np.testing.assert_array_equal(to_np(dyn.embeddings_scale), to_np(layer.embeddings_scale))
     np.testing.assert_array_equal(to_np(dyn.embeddings), to_np(layer.embeddings))
     for a, b in zip(dyn.vocabulary.variables, layer.vocabulary.variables):
         np.testing.assert_array_equal(to_np(a), to_np(b))
@@ -442,9 +447,51 @@ def test_checkpoints_hold_the_map_and_resume_exactly(tmp_path):
     weights = os.path.join(tmp_path, "w.weights.h5")
     model.save_weights(weights)
     keras.backend.clear_session(free_memory=False)
-    fresh, _ = dynamic_model(6, sparseopt.updaters.Adagrad(0.1), probes=3, init="uniform")
+    fresh, _ = dynamic_model(6, sparseopt.updaters.Adagrad(0.1), probes=3, init="uniform",
+                             dtype=dtype)
     fresh.load_weights(weights)
     np.testing.assert_array_equal(to_np(fresh(xs[0])), to_np(model(xs[0])))
+
+
+def test_an_int8_open_vocabulary_keeps_the_float32_map_and_its_rows_within_a_code():
+    """`DynamicEmbedding(dtype="int8")`: the same admissions, evictions, hand-over and
+    delta as float32 (the map never reads values); rows given to new ids start from
+    the initializer's values quantized to nearest (written by the next call); each
+    held row within a few code steps of the float32 run's (stochastic rounding's
+    noise, one step at most per write)."""
+    rng = np.random.default_rng(3)
+    xs = rng.choice(POOL, size=(8, BATCH, N_IDS)).astype("int32")
+    ys = rng.normal(size=(8, BATCH, N_IDS, WIDTH)).astype("float32")
+    options = dict(probes=3, admit_after=2, default_row="trained", init="uniform")
+    runs = {}
+    for dtype in (None, "int8"):
+        keras.backend.clear_session(free_memory=False)
+        keras.utils.set_random_seed(1)  # (the same initial table, the default row's start)
+        model, layer = dynamic_model(6, sparseopt.updaters.SGD(0.5), dtype=dtype, **options)
+        states = []
+        for x, y in zip(xs, ys):
+            model.train_on_batch(x, y)
+            states.append(map_state(layer))
+        # (At the end only: a delta writes an int8 table's hand-over itself, which
+        # would hide a call that does not.)
+        runs[dtype] = (layer, states, [layer.delta(since) for since in (0, 2, 7)])
+    (flt, want, want_deltas), (q, got, got_deltas) = runs[None], runs["int8"]
+    assert q.embeddings.dtype == "int8"
+    for map_a, map_b in zip(want, got):
+        assert map_a[0] == map_b[0] and map_a[2] == map_b[2] and map_a[3] == map_b[3]
+        np.testing.assert_array_equal(map_a[1], map_b[1])
+    for delta_a, delta_b in zip(want_deltas, got_deltas):
+        np.testing.assert_array_equal(delta_a.ids, delta_b.ids)
+        np.testing.assert_array_equal(delta_a.rows, delta_b.rows)
+        np.testing.assert_array_equal(delta_a.tombstones, delta_b.tombstones)
+        step = np.max(np.abs(delta_a.values), axis=1, keepdims=True) / 127
+        assert np.all(np.abs(delta_b.values - delta_a.values) <= 4 * step + 1e-7)
+        step = np.max(np.abs(delta_a.default)) / 127
+        assert np.all(np.abs(delta_b.default - delta_a.default) <= 4 * step + 1e-7)
+    # The delta reads what the next call reads (the buffered rows written).
+    ids = xs[-1]
+    np.testing.assert_allclose(to_np(q(ids)), to_np(flt(ids)), atol=0.01)
+    assert q.held_ids() == flt.held_ids()
 
 
 def lfu_run(batches, seed=0, half_life=100, eviction="lfu"):

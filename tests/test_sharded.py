@@ -101,6 +101,24 @@ def test_bfloat16_tables_round_as_on_one_device_bit_for_bit(runs, layout):
 
 
 @pytest.mark.parametrize("layout", ROWS)
+def test_int8_tables_split_by_rows_train_as_on_one_device_bit_for_bit(runs, layout):
+    """An int8 table split by rows (its codes and row scales alike): its step
+    deduplicates the step's ids by hash, reads state and writes the buffer's rows
+    on their owners; the codes, scales and state are one device's bit for bit, and
+    no collective moves anything table-sized."""
+    got, want = _load(runs, f"{layout}_int8"), _load(runs, "single_int8")
+    assert np.mean(want["accumulator"] != np.float32(0.1)) > 0.5  # most rows trained
+    for key in ("table", "scale", "accumulator"):
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    assert got["shard_rows"].tolist() == [1024 // SPLIT[layout]]
+    with open(os.path.join(runs, f"{layout}_int8.json")) as f:
+        moved = json.load(f)
+    assert moved, "a distributed step has collectives"
+    table_rows = {1024 // split for split in (1, 2, 4, 8)}
+    assert [c for c in moved for shape in c[1] if shape and shape[0] in table_rows] == []
+
+
+@pytest.mark.parametrize("layout", ROWS)
 def test_whole_table_state_on_a_table_split_by_rows_trains_as_on_one_device(runs, layout):
     """A rule with a `[D]` column slot and a scalar slot (summed over every
     distinct row of the step), and Adafactor's dense form, on a row-sharded table: the whole slots stay

@@ -74,12 +74,6 @@ class DynamicEmbedding(SparseEmbedding):
                  admissions_per_step=1024, placement_rounds=2, admit_after=1,
                  count_capacity=None, tombstone_log=None, lfu_half_life=1000, **kwargs):
         kwargs.pop("input_dim", None)
-        if kwargs.get("dtype") == "int8":
-            raise ValueError(
-                f"DynamicEmbedding '{kwargs.get('name', '')}': int8 tables are not open to "
-                "new ids yet (the rows given to a new id would be written outside the int8 "
-                "write buffer). Use dtype='bfloat16' (half the memory), or a fixed "
-                "SparseEmbedding(dtype='int8') over hashed ids.")
         if default_row not in DEFAULT_ROWS:
             raise ValueError(f"DynamicEmbedding '{kwargs.get('name', '')}': `default_row` must "
                              f"be one of {DEFAULT_ROWS}, got {default_row!r}.")
@@ -106,12 +100,18 @@ class DynamicEmbedding(SparseEmbedding):
     def build(self, input_shape=None):
         super().build(input_shape)
         split = distribution.rows_like(self.embeddings, 1)
+        if self.int8 is not None and split is not None and split.axes[0] is not None:
+            raise ValueError(
+                f"DynamicEmbedding '{self.name}': an int8 open vocabulary split by rows over "
+                "devices is not supported yet. Split a float32 or bfloat16 one, or keep the "
+                "int8 one on each device (replicated).")
         if self.default_row == "trained" and split is not None and split.axes[0] is not None:
             raise ValueError(
                 f"DynamicEmbedding '{self.name}': a trained default row makes the table "
                 f"capacity + 1 rows, which its map (capacity rows) cannot be split by rows "
                 f"with. On a table split by rows, use default_row='zeros'.")
         self.vocabulary.build(self.embeddings_initializer, self._add_state)
+        self.vocabulary.int8 = self.int8
         self._lookup.vocabulary = self.vocabulary
         for written in (self.vocabulary.pending, self.vocabulary.cycle_start):
             # Written by the optimizer's step only.
@@ -185,13 +185,23 @@ class DynamicEmbedding(SparseEmbedding):
             lambda f: keras.KerasTensor(self.compute_output_shape(f.shape),
                                         dtype=self.compute_dtype), ids)
 
+    def _table_variables(self):
+        """The table's own variables: the table, or an int8 table's codes and scales."""
+        if self.int8 is None:
+            return [self.embeddings]
+        return [self.embeddings, self.embeddings_scale]
+
     def save_own_variables(self, store):
-        """The table, then the map (`OpenVocabulary.variables`)."""
-        for i, variable in enumerate([self.embeddings, *self.vocabulary.variables]):
+        """The table (an int8 table's codes and scales, its buffered rows written
+        first), then the map (`OpenVocabulary.variables`, its hand-over with it)."""
+        if self.int8 is not None:
+            with backend.outside_trace():
+                self.int8.flush()
+        for i, variable in enumerate([*self._table_variables(), *self.vocabulary.variables]):
             store[str(i)] = variable
 
     def load_own_variables(self, store):
-        variables = [self.embeddings, *self.vocabulary.variables]
+        variables = [*self._table_variables(), *self.vocabulary.variables]
         if len(store.keys()) != len(variables):
             raise ValueError(
                 f"Layer '{self.name}' expected {len(variables)} variables (its table and "
@@ -202,6 +212,8 @@ class DynamicEmbedding(SparseEmbedding):
                     f"Layer '{self.name}': the file's {variable.name} has shape "
                     f"{tuple(store[str(i)].shape)}, this layer's {tuple(variable.shape)}.")
             variable.assign(store[str(i)])
+        if self.int8 is not None:
+            self.int8.clear()  # the file's rows are current (the map's hand-over stays)
 
     def vocabulary_stats(self):
         """`{name: int}`: running totals of the map (`OpenVocabulary.stats`)."""
@@ -230,7 +242,10 @@ class DynamicEmbedding(SparseEmbedding):
             ValueError: more ids were replaced since `since_step` than
                 `tombstone_log` keeps.
         """
-        return self.vocabulary.delta(int(since_step), self.embeddings, self.name,
+        with backend.outside_trace():
+            self.vocabulary.write_hand_over()  # an int8 table's rows, as the next call would
+        table = self.embeddings if self.int8 is None else _Int8Rows(self.int8)
+        return self.vocabulary.delta(int(since_step), table, self.name,
                                      trained_default=self.default_row == "trained")
 
     def get_config(self):
@@ -239,3 +254,13 @@ class DynamicEmbedding(SparseEmbedding):
         return {**config, "capacity": self.capacity, "key_halves": self.key_halves,
                 "default_row": self.default_row, **self.vocabulary.get_config()}
 
+
+class _Int8Rows:
+    """An int8 table as `OpenVocabulary.delta` reads it: float32 rows by id."""
+
+    def __init__(self, int8):
+        self.int8 = int8
+        self.shape = int8.codes.shape
+
+    def rows(self, ids):
+        return self.int8.read(ids)

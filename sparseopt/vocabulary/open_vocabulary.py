@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from keras import ops
 
-from sparseopt import backend, precision
+from sparseopt import backend, precision, quantization
 from sparseopt.vocabulary import counters, id_map, keys, new_rows, pending
 from sparseopt.vocabulary.frequency import Frequencies
 from sparseopt.vocabulary.sightings import SightingCounts
@@ -178,6 +178,9 @@ class OpenVocabulary:
         self.tombstones = TombstoneLog(tombstone_log)
         self.frequency = Frequencies(lfu_half_life) if eviction == "lfu" else None
         self.sightings = None
+        # An int8 table's `Int8Table` (set by its layer), whose rows given to new
+        # keys the next call writes; None for float tables.
+        self.int8 = None
         if self.admit_after > 1:
             self.sightings = SightingCounts(self.count_capacity or self.capacity, self.probes,
                                             self.seed, self.placement_rounds)
@@ -337,10 +340,33 @@ class OpenVocabulary:
         backend.scatter_where(self.last_seen, safe, ops.maximum(seen, step), valid)
         if self.sightings is not None:
             self.sightings.forget(high, low, first)
+        self._write_int8_rows(safe, step, valid)
         self._count(admitted=ops.sum(ops.cast(first, "int32")),
                     evicted=ops.sum(ops.cast(ops.logical_and(first, evicted), "int32")),
                     reclaimed=ops.sum(ops.cast(
                         ops.logical_and(had, ops.logical_not(evicted)), "int32")))
+
+    def _write_int8_rows(self, rows, step, keep):
+        """An int8 table (`sparseopt.int8_table`): the rows given to new keys start from
+        the initializer's values (`new_rows`, deterministic), quantized to nearest,
+        written here because its optimizer step cannot write the table (again is
+        harmless: the same values)."""
+        if self.int8 is None:
+            return
+        fresh = new_rows.initial_rows(self.initializer, rows, self.int8.codes.shape[1], step,
+                                      self.seed)
+        codes, scale = quantization.quantize(fresh)
+        backend.scatter_where(self.int8.codes, rows, codes, keep)
+        backend.scatter_where(self.int8.scale, rows, scale, keep)
+
+    def write_hand_over(self):
+        """Between steps (export): an int8 table's buffered rows and rows given to new
+        keys written, as the next call writes them (no other change)."""
+        if self.int8 is None:
+            return
+        self.int8.flush()
+        _, _, rows, step, _, valid, _ = pending.decode(self.pending.value)
+        self._write_int8_rows(ops.where(valid, rows, 0), step, valid)
 
     def _count(self, **amounts):
         counters.add(self.counts, {COUNTS.index(name): a for name, a in amounts.items()})
@@ -370,9 +396,10 @@ class OpenVocabulary:
         """
         valid = ops.logical_and(proposals.valid, applied)
         rows = ops.where(valid, proposals.rows, 0)
-        fresh = new_rows.initial_rows(self.initializer, rows, table.shape[1], proposals.step,
-                                      self.seed)
-        backend.scatter_where(table, rows, ops.cast(fresh, table.dtype), valid)
+        if self.int8 is None:  # (an int8 table's next call writes them: `_write_pending`)
+            fresh = new_rows.initial_rows(self.initializer, rows, table.shape[1],
+                                          proposals.step, self.seed)
+            backend.scatter_where(table, rows, ops.cast(fresh, table.dtype), valid)
         for spec in specs:
             if not spec.per_row:
                 continue
@@ -440,13 +467,14 @@ class OpenVocabulary:
             gone.append(held[expired])
         gone = np.setdiff1d(keys.join_int64(np.concatenate(gone)),
                             keys.join_int64(held[alive]))
+        # (An int8 table's layer hands over a reader of its rows as floats.)
+        read = getattr(table, "rows", None) or (
+            lambda ids: backend.gather_from_resource(table, ids))
         values = np.asarray(ops.convert_to_numpy(ops.cast(
-            backend.gather_from_resource(table, ops.convert_to_tensor(changed.astype("int32"))),
-            "float32")))
+            read(ops.convert_to_tensor(changed.astype("int32"))), "float32")))
         default = np.zeros((table.shape[1],), np.float32)
         if trained_default:  # the table's last row
             default = np.asarray(ops.convert_to_numpy(ops.cast(
-                backend.gather_from_resource(table, ops.convert_to_tensor([self.capacity])),
-                "float32")))[0]
+                read(ops.convert_to_tensor([self.capacity])), "float32")))[0]
         return Delta(step=now, ids=keys.join_int64(held[changed]), rows=changed.astype(np.int64),
                      values=values, tombstones=gone, default=default)

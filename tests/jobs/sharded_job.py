@@ -15,8 +15,9 @@ batches, in this one process, and leaves in OUT_DIR:
 
 - `<layout>.npz`: every model weight and every optimizer state variable
   after training (and `init.npz`: the initial weights);
-- `<layout>_bfloat16.npz` (one device and the rows layouts): a bfloat16
-  table trained alone (`run_bfloat16`);
+- `<layout>_bfloat16.npz`, `<layout>_int8.npz` (one device and the rows
+  layouts): a bfloat16 table, and an int8 one, trained alone (`run_bfloat16`;
+  `<layout>_int8.json`: the int8 step's collectives);
 - `<layout>_routing.npz`, `<layout>_routing.json` (the same): ids routed to
   their owner in one round and in several (`run_routing`);
 - `<layout>_whole.npz` (the same): a table whose rule keeps whole-table
@@ -296,13 +297,15 @@ def _rounds(layout, x, rows):
         for step in range(STEPS)]
 
 
-def run_bfloat16(layout, out):
-    """A bfloat16 table alone (stochastic rounding), trained on fixed row gradients.
+def run_bfloat16(layout, out, dtype="bfloat16"):
+    """A bfloat16 (or int8) table alone (stochastic rounding), trained on fixed row
+    gradients.
 
     The loss is `sum(y * rows)`: the row gradients are `y` exactly under every
     layout, so rounding bits keyed by global row must give one device's
     result bit for bit (in the four-table model, float rounding of the dense
-    part would move a rounding threshold now and then).
+    part would move a rounding threshold now and then). An int8 table also
+    saves its row scales and, split over devices, its step's collectives.
     """
     keras.backend.clear_session(free_memory=False)
     keras.distribution.set_distribution(distribution(layout))
@@ -310,7 +313,7 @@ def run_bfloat16(layout, out):
     rows, width, n_ids = 1024, 8, 4
     ids_in = keras.Input((n_ids,), dtype="int32")
     emb = sparseopt.layers.SparseEmbedding(rows, width, sparseopt.updaters.Adagrad(0.1),
-                                           name="half", dtype="bfloat16")
+                                           name="half", dtype=dtype)
     model = keras.Model(ids_in, emb(ids_in))
     model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()),
                   loss=lambda y, p: keras.ops.sum(y * keras.ops.cast(p, "float32"), axis=(1, 2)))
@@ -322,8 +325,18 @@ def run_bfloat16(layout, out):
     saved = {"table": to_numpy(emb.embeddings.value),
              "accumulator": to_numpy(model.optimizer.table_state(
                  emb.embeddings)["accumulator"].value)}
+    if dtype == "int8":
+        saved["scale"] = to_numpy(emb.embeddings_scale.value)
+        saved["shard_rows"] = np.array(sorted({s.data.shape[0] for v in (
+            emb.embeddings, emb.embeddings_scale) for s in v.value.addressable_shards}))
+        if layout != "single":
+            step = compile_train_step(model, x[:BATCH], y[:BATCH],
+                                      compiler_options=XLA_PRODUCTION_FUSIONS)
+            with open(os.path.join(out, f"{layout}_int8.json"), "w") as f:
+                json.dump([[c.kind, c.shapes, c.nbytes] for c in collectives(step.as_text())],
+                          f)
     if jax.process_index() == 0:
-        np.savez(os.path.join(out, f"{layout}_bfloat16.npz"), **saved)
+        np.savez(os.path.join(out, f"{layout}_{dtype}.npz"), **saved)
 
 
 def run_whole_slots(layout, out):
@@ -626,6 +639,8 @@ def main():
         if jax.process_count() == 1 and layout in ("single", "rows8", "rows2x4"):
             run_bfloat16(layout, args.out)
             done(f"{layout} bfloat16")
+            run_bfloat16(layout, args.out, "int8")
+            done(f"{layout} int8")
             run_routing(layout, args.out)
             done(f"{layout} routing")
             run_whole_slots(layout, args.out)
