@@ -36,12 +36,7 @@ KEEP = ["SGD:default", "Adagrad:default", "Adam:default", "RowwiseAdagrad:defaul
 def _stored(rows, step, ids):
     """The documented write of float64 `rows` (ids `ids`) at `step`: float32, then
     `floor(x * scale + u)` with `u` the top 24 of the stream-0 bits."""
-    x = np.asarray(rows, np.float32)
-    scale = np.float32(127) / (np.max(np.abs(x), axis=1) + np.float32(1e-7))
-    bits = reference.rounding_bits(0, 0, 0, step, ids, x.shape[1])
-    u = (bits >> 8).astype(np.float32) * np.float32(2.0**-24)
-    codes = np.clip(np.floor(x * scale[:, None] + u), -127, 127)
-    return codes.astype(np.int8), scale
+    return _stored_at(rows, step, ids, 0)
 
 
 def _read(codes, scale):
@@ -355,3 +350,115 @@ def test_dense_adafactor_on_an_int8_table_follows_keras_adafactor():
     assert np.all(np.abs(got - want) <= 4 * step), np.max(np.abs(got - want) / step)
     np.testing.assert_array_equal(got[40:], table0[40:])  # never touched
     assert np.max(np.abs(want[:40] - table0[:40])) > 20 * np.max(step)  # it moved
+
+
+_PROPERTY_MODELS = {}
+
+
+def _property_model(key, vocab):
+    """Two int8 tables with one updater configuration, updated in one group (cached:
+    one compiled model per rule and size, reset between examples)."""
+    from tests.test_properties import N_IDS as n_ids, OTHER_VOCAB, RULES, WIDTH as width
+
+    if (key, vocab) not in _PROPERTY_MODELS:
+        rule, cfg = RULES[key]
+        n = len(_PROPERTY_MODELS)
+        inputs = {k: keras.Input((n_ids,), dtype="int32", name=k) for k in ("a", "b")}
+        tables = [sparseopt.layers.SparseEmbedding(
+            rows, width, updater=getattr(sparseopt.updaters, rule)(0.1, **cfg),
+            name=f"{k}_{n}", dtype="int8", embeddings_initializer=keras.initializers.RandomNormal())
+            for k, rows in (("emb", vocab), ("other", OTHER_VOCAB))]
+        out = keras.layers.Concatenate(axis=1)([tables[0](inputs["a"]), tables[1](inputs["b"])])
+        model = keras.Model(inputs, out)
+        opt = sparseopt.DispatchOptimizer(keras.optimizers.SGD(), group_tables=True)
+        model.compile(optimizer=opt, loss=dot_loss)
+        opt.build(model.trainable_variables)
+        fresh = ([to_np(v) for v in opt.variables],
+                 [(to_np(t.embeddings), to_np(t.embeddings_scale)) for t in tables])
+        _PROPERTY_MODELS[(key, vocab)] = (model, tables, opt, fresh)
+    return _PROPERTY_MODELS[(key, vocab)]
+
+
+def _int8_cases():
+    from hypothesis import strategies as st
+
+    from tests.test_properties import RULES, steps
+
+    @st.composite
+    def cases(draw):
+        vocab = draw(st.sampled_from([1, 7, 40]))
+        key = draw(st.sampled_from(sorted(k for k in RULES if not _refused(*CASES[k]))))
+        return key, vocab, draw(steps(vocab))
+
+    return cases()
+
+
+def test_int8_steps_with_bad_ids_duplicates_and_non_finite_gradients():
+    """The property test's random steps (tests/test_properties.py: bad ids, hot ids,
+    empty and one-row tables, non-finite gradients, two grouped tables) on int8
+    tables: rows outside a step's valid ids keep their codes and scales bit for bit;
+    a poisoned table changes nothing; otherwise the rows are the reference rule's,
+    quantized, within the float32-vs-float64 slack of a code."""
+    from hypothesis import HealthCheck, given, settings
+
+    from tests.test_properties import N_IDS as n_ids, RULES, WIDTH as width
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(case=_int8_cases())
+    def check(case):
+        key, vocab, sequence = case
+        model, tables, opt, (fresh, start) = _property_model(key, vocab)
+        name, cfg = RULES[key]
+        for v, value in zip(opt.variables, fresh):
+            v.assign(value)
+        expected = []
+        for layer, (codes, scale) in zip(tables, start):
+            layer.embeddings.assign(codes)
+            layer.embeddings_scale.assign(scale)
+            layer.int8.clear()
+            expected.append((codes.copy(), scale.copy(),
+                             reference.initial_state(name, codes.shape, cfg)))
+        for step, (xs, scale_, poison, seed) in enumerate(sequence, start=1):
+            batch = xs[0].shape[0]
+            y = (scale_ * np.random.default_rng(seed).normal(
+                size=(batch, 2 * n_ids, width))).astype("float32")
+            poisoned = None
+            if poison is not None:
+                where = tuple(np.random.default_rng(seed).integers(0, [batch, 2 * n_ids, width]))
+                y[where] = poison
+                poisoned = int(where[1] >= n_ids)
+            before = [(to_np(t.embeddings), to_np(t.embeddings_scale)) for t in tables]
+            model.train_on_batch({"a": xs[0], "b": xs[1]}, y)
+            for i, layer in enumerate(tables):
+                layer.int8.flush()  # (what the next call writes)
+                codes, scale, state = expected[i]
+                rows = layer.input_dim
+                x = xs[i]
+                valid = np.unique(x[(x >= 0) & (x < rows)])
+                if poisoned != i and valid.size:
+                    table = _read(codes, scale).astype(np.float64)
+                    grads = y[:, i * n_ids:(i + 1) * n_ids].astype(np.float64) / batch
+                    new, state = reference.sparse_step(name, table, state, x, grads, 0.1, cfg,
+                                                       step=step)
+                    codes, scale = codes.copy(), scale.copy()
+                    new_codes, new_scale = _stored_at(new[valid], step, valid, i)
+                    codes[valid], scale[valid] = new_codes, new_scale
+                    expected[i] = (codes, scale, state)
+                got_codes, got_scale = to_np(layer.embeddings), to_np(layer.embeddings_scale)
+                outside = np.setdiff1d(np.arange(rows), valid if poisoned != i else [])
+                np.testing.assert_array_equal(got_codes[outside], before[i][0][outside])
+                np.testing.assert_array_equal(got_scale[outside], before[i][1][outside])
+                assert np.all(np.isfinite(got_scale))
+                assert np.max(np.abs(got_codes.astype(int) - codes), initial=0) <= 2
+                np.testing.assert_allclose(got_scale, scale, rtol=1e-3)
+
+    check()
+
+
+def _stored_at(rows, step, ids, table_index):
+    """`_stored` for the optimizer's `table_index`-th table (its own rounding bits)."""
+    x = np.asarray(rows, np.float32)
+    scale = np.float32(127) / (np.max(np.abs(x), axis=1) + np.float32(1e-7))
+    bits = reference.rounding_bits(0, table_index, 0, step, ids, x.shape[1])
+    u = (bits >> 8).astype(np.float32) * np.float32(2.0**-24)
+    return np.clip(np.floor(x * scale[:, None] + u), -127, 127).astype(np.int8), scale
