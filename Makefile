@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml
 	  $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -e ".[dev]" ) || \
 	( $(BIN)/python -m pip install -q --upgrade pip && \
 	  $(BIN)/python -m pip install -q -e ".[dev]" )
+	# The native CPU kernels (sparseopt/native), compiled here once; were the
+	# compiler missing, sparseopt would run its pure path (and say so).
+	$(BIN)/python -m sparseopt.native || echo "sparseopt: native kernels not built (pure path)"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -20,7 +20,9 @@ trained by row-wise Adagrad or Adagrad (learning rate 0.05), batches 1,024 to
 
     framework   peer        tables trained by
     jax, tf     sparseopt   SparseEmbedding + DispatchOptimizer(Adam)
-                            (`<framework>-sparseopt-grouped`: the same with group_tables=True)
+                            (`<framework>-sparseopt-grouped`: the same with group_tables=True;
+                            `jax-sparseopt-native`: the same with the native kernels on,
+                            SPARSEOPT_NATIVE=1)
     torch       fbgemm      one SplitTableBatchedEmbeddingBagsCodegen holding every table
                             (EXACT_ROWWISE_ADAGRAD / EXACT_ADAGRAD, fused CPU backward)
     jax         keras       keras.layers.Embedding + Adagrad (dense gradient), where it
@@ -323,6 +325,8 @@ def spawn(spec, budget_s, malloc="hugepages"):
         env.update(HOST_MALLOC)
     if framework != "torch":
         env["KERAS_BACKEND"] = framework
+    if spec["peer"].endswith("-native"):  # sparseopt with its native kernels on
+        env["SPARSEOPT_NATIVE"] = "1"
     return subprocess.Popen(
         [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", json.dumps(spec),
          "--budget", str(budget_s)],
@@ -383,8 +387,8 @@ def ratio_rows(results):
     rows = []
     for key, peers_at in sorted(by_key.items()):
         fb = peers_at.get("torch-fbgemm")
-        for peer in ("jax-sparseopt", "jax-sparseopt-grouped", "tensorflow-sparseopt",
-                     "tensorflow-sparseopt-grouped", "keras-jax"):
+        for peer in ("jax-sparseopt", "jax-sparseopt-grouped", "jax-sparseopt-native",
+                     "tensorflow-sparseopt", "tensorflow-sparseopt-grouped", "keras-jax"):
             if peer in peers_at and fb is not None:
                 rows.append(dict(zip(("variant", "width", "rule", "batch"), key), peer=peer,
                                  ratio=peers_at[peer]["median_ms"] / fb["median_ms"],
@@ -470,6 +474,7 @@ def plots(data, out, stem):
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
     colors = {"jax-sparseopt": "C0", "tensorflow-sparseopt": "C1", "torch-fbgemm": "C2",
+              "jax-sparseopt-native": "C4",
               "keras-jax": "C3"}
     for ax, (variant, width, rule) in zip(axes.flat, panels):
         for peer in sorted({r["peer"] for r in ok}):
@@ -513,6 +518,8 @@ def main():
                              "(HOST_MALLOC) or glibc's defaults")
     parser.add_argument("--report", metavar="JSON",
                         help="re-print the tables and re-draw the plot of a saved run")
+    parser.add_argument("--name", help="results file stem (default dlrm_step[_quick]), so "
+                                         "that a partial grid does not replace the whole one")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -567,7 +574,7 @@ def main():
             "results": results, "ratios": ratio_rows(results), "seconds": time.time() - start}
     out = suite.QUICK_RESULTS if args.quick else RESULTS
     out.mkdir(parents=True, exist_ok=True)
-    stem = "dlrm_step_quick" if args.quick else "dlrm_step"
+    stem = args.name or ("dlrm_step_quick" if args.quick else "dlrm_step")
     (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
     print()
     print(grid(data))

@@ -22,7 +22,7 @@ from keras import ops
 
 from sparseopt import backend, precision, quantization
 from sparseopt.row_grads import Distinct
-from sparseopt.sparse_apply import as_computed
+from sparseopt.sparse_apply import as_computed, write_whole_slots
 from sparseopt.updaters import hyperparameters, transforms
 
 # The stochastic-rounding stream of the table's codes (its slots use `1 + i`).
@@ -166,14 +166,7 @@ def _update_whole(updater, slots, rows, state, summed, count, finite, values, st
     real = ops.less(ops.arange(ops.shape(rows)[0], dtype="int32"), count)
     sums = {k: ops.sum(ops.where(ops.reshape(real, (-1,) + (1,) * (len(v.shape) - 1)), v, 0.0),
                        axis=0) for k, v in parts.items()}
-    with hyperparameters.reading(updater, values):
-        new = updater.update_whole(dict(old), sums, num_rows, step)
-    out = {}
-    for spec in specs:
-        value = ops.where(finite, ops.cast(new[spec.name], "float32"), old[spec.name])
-        slots[spec.name].assign(ops.cast(value, slots[spec.name].dtype))
-        out[spec.name] = value
-    return out
+    return write_whole_slots(updater, slots, old, sums, num_rows, step, finite, values)
 
 
 def quantized(rows, ids, step, rounding):

@@ -385,10 +385,25 @@ def _update_whole(updater, table, slots, names, distinct, finite, values, step):
 
     sums = backend.sum_over_distinct_rows(
         contributions, [table.value] + [slots[n].value for n in names], distinct)
+    return write_whole_slots(updater, slots, old, sums, table.shape[0], step, finite, values)
+
+
+def write_whole_slots(updater, slots, old, sums, num_rows, step, finite, values):
+    """The whole slots' new values from the step's summed contributions, written where
+    `finite` (else kept); `{name: new float32 value}`.
+
+    Args:
+        updater: the `Updater`.
+        slots: `{name: variable}`.
+        old: `{name: float32 value}` of the whole slots before the step.
+        sums: the rule's contributions summed over the step's distinct rows.
+        num_rows: the table's rows.
+        step, finite, values: the step's count, whether it applies, hyperparameters.
+    """
     with hyperparameters.reading(updater, values):
-        new = updater.update_whole(dict(old), sums, table.shape[0], step)
+        new = updater.update_whole(dict(old), sums, num_rows, step)
     out = {}
-    for spec in specs:
+    for spec in updater.whole_slots:
         value = ops.where(finite, ops.cast(new[spec.name], "float32"), old[spec.name])
         slots[spec.name].assign(ops.cast(value, slots[spec.name].dtype))
         out[spec.name] = value

@@ -486,8 +486,10 @@ def test_an_int8_open_vocabulary_keeps_the_float32_map_and_its_rows_within_a_cod
         np.testing.assert_array_equal(delta_a.tombstones, delta_b.tombstones)
         step = np.max(np.abs(delta_a.values), axis=1, keepdims=True) / 127
         assert np.all(np.abs(delta_b.values - delta_a.values) <= 4 * step + 1e-7)
+        # The default row is written every step (every id not held reads it): up to
+        # one code of noise per write (standard deviation at most half a code), 8 writes.
         step = np.max(np.abs(delta_a.default)) / 127
-        assert np.all(np.abs(delta_b.default - delta_a.default) <= 4 * step + 1e-7)
+        assert np.all(np.abs(delta_b.default - delta_a.default) <= 8 * step + 1e-7)
     # The delta reads what the next call reads (the buffered rows written).
     ids = xs[-1]
     np.testing.assert_allclose(to_np(q(ids)), to_np(flt(ids)), atol=0.01)

@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from sparseopt.backend import jax_sharding
+from sparseopt.backend import jax_native, jax_sharding
 from sparseopt.backend.jax_dedup import first_occurrences, first_true  # noqa: F401
 from sparseopt.backend.jax_rows import (  # noqa: F401 (bitcast, gather...: the contract)
     Held, bitcast, distinct_padding, gather, gather_rows, padding_ids)
@@ -84,6 +84,8 @@ def dedup(record, num_rows, workspace):
         num_rows: the table's row count.
         workspace: int32 Keras variable with at least `num_rows` entries.
     """
+    if jax_native.applies(workspace):  # the same result in one native pass
+        return jax_native.dedup(record, num_rows, workspace)
     n = record.ids.shape[0]
     ids = record.ids.astype(jnp.int32)
     position = jnp.arange(n, dtype=jnp.int32)
@@ -99,6 +101,9 @@ def dedup(record, num_rows, workspace):
     segment = jnp.where(valid, jnp.take(slot, representative, mode="clip"), size)
     # Bag gradients are expanded here, inside the sum that consumes them.
     summed = jax.ops.segment_sum(record.rows(), segment, num_segments=size)  # drops `size`
+    # A zero sum is +0.0, whatever XLA's simplifier makes of a sum of one -0.0
+    # (it depends on shapes): one result, the native kernel's too.
+    summed = jnp.where(summed == 0, jnp.zeros((), summed.dtype), summed)
     uniq = padding_ids(num_rows, size).at[jnp.where(is_first, slot, size)].set(ids, mode="drop")
     return Distinct(uniq, summed, count)
 

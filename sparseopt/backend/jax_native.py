@@ -1,0 +1,53 @@
+"""JAX: the native kernels' calls (`sparseopt.native`), where they replace the pure path.
+
+`dedup` is `jax.py`'s `dedup` as one XLA FFI custom call: the same `Distinct`
+and the same workspace entries, bit for bit, with no segment sum over an
+`[ids, width]` buffer. The workspace is aliased to the call's output:
+written in place.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from sparseopt import native
+from sparseopt.backend import jax_sharding
+from sparseopt.row_grads import BagGrads, Distinct
+
+
+def applies(workspace):
+    """Whether the native dedup runs for a table with `workspace`: kernels on, JAX on
+    CPU, and the workspace on one device (a custom call on an array split or
+    replicated over a mesh would be computed on a whole copy)."""
+    return (native.enabled() and jax.default_backend() == "cpu"
+            and jax_sharding.row_shards(workspace) is None
+            and jax_sharding.replicated_on_mesh_of(workspace) is None)
+
+
+def dedup(record, num_rows, workspace):
+    """`jax.dedup` by the native kernel (`dedup_sum.cc`)."""
+    ids = record.ids.astype(jnp.int32).reshape(-1)
+    n = ids.shape[0]
+    size = min(n, num_rows)
+    grads = record.grads
+    space = workspace.value
+    out = (jax.ShapeDtypeStruct((size,), jnp.int32),
+           jax.ShapeDtypeStruct((size, _width(grads)), jnp.float32),
+           jax.ShapeDtypeStruct((), jnp.int32),
+           jax.ShapeDtypeStruct((size,), jnp.int32),
+           jax.ShapeDtypeStruct(space.shape, space.dtype))
+    if isinstance(grads, BagGrads):
+        inputs = (ids, grads.values.astype(jnp.float32), grads.bag.astype(jnp.int32),
+                  grads.weight.astype(jnp.float32), space)
+        target, alias = "sparseopt_dedup_sum_bags", {4: 4}
+    else:
+        inputs = (ids, grads.astype(jnp.float32), space)
+        target, alias = "sparseopt_dedup_sum", {2: 4}
+    uniq, summed, count, _, space = jax.ffi.ffi_call(
+        target, out, input_output_aliases=alias, vmap_method="sequential")(
+            *inputs, num_rows=int(num_rows))
+    workspace.assign(space)
+    return Distinct(uniq, summed, count)
+
+
+def _width(grads):
+    return (grads.values if isinstance(grads, BagGrads) else grads).shape[-1]

@@ -1,0 +1,163 @@
+"""The native kernels (`sparseopt.native`) against the pure path they replace, bit for bit.
+
+JAX on CPU: the one-pass dedup and sum (`dedup_sum.cc`, an XLA FFI custom
+call) gives the pure path's `Distinct` and workspace entries exactly, for
+Hypothesis-drawn steps (bad ids, duplicates, empty batches, bags with their
+weights, signed zeros, non-finite gradients); whole training runs (per id,
+pooled bags, table groups, an int8 table) end with the same tables and state
+bit for bit either way; the native path keeps the no-vocabulary-work property.
+"""
+
+import sys
+
+import keras
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import sparseopt
+from sparseopt import native
+from tests.conftest import to_np
+from tests.helpers import batches, dot_loss
+
+pytestmark = pytest.mark.skipif(keras.backend.backend() != "jax",
+                                reason="the native kernels are XLA FFI calls (JAX)")
+
+
+def test_the_kernels_build_and_load_here():
+    """On Linux with a C++ compiler (this project's machines) they must: a broken
+    build would otherwise only show as a missing speed-up. Off by default."""
+    assert sys.platform.startswith("linux")
+    assert native.build_error() is None and native.available()
+    assert not native.enabled()
+    native.set_enabled(True)
+    try:
+        assert native.enabled()
+        with native.disabled():
+            assert not native.enabled()
+        assert native.enabled()
+    finally:
+        native.set_enabled(False)
+
+
+def _dedup(record, num_rows, use_native):
+    import jax
+    import jax.numpy as jnp
+
+    from sparseopt.backend import jax as jax_backend
+    from sparseopt.backend.jax_rows import Held
+
+    native.set_enabled(use_native)
+    try:
+        @jax.jit
+        def run(space):
+            workspace = Held(space)
+            distinct = jax_backend.dedup(record, num_rows, workspace)
+            return tuple(distinct), workspace.value
+
+        return jax.tree_util.tree_map(np.asarray, run(jnp.zeros((num_rows,), jnp.int32)))
+    finally:
+        native.set_enabled(False)
+
+
+def _same_bits(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape and a.dtype == b.dtype
+    if a.dtype == np.float32:
+        nan = np.isnan(a)
+        np.testing.assert_array_equal(nan, np.isnan(b))
+        a, b = np.where(nan, 0, a), np.where(nan, 0, b)  # (NaN payloads may differ)
+        np.testing.assert_array_equal(a.view(np.int32), b.view(np.int32))
+    else:
+        np.testing.assert_array_equal(a, b)
+
+
+@st.composite
+def records(draw):
+    rows = draw(st.sampled_from([1, 5, 64, 1000]))
+    n = draw(st.sampled_from([0, 1, 3, 17, 200]))
+    width = draw(st.sampled_from([1, 3, 8]))
+    seed = draw(st.integers(0, 2**16))
+    rng = np.random.default_rng(seed)
+    hot = rng.integers(0, min(rows, 3), n)
+    ids = np.where(rng.random(n) < 0.5, hot, rng.integers(-3, rows + 3, n)).astype(np.int32)
+    ids[rng.random(n) < 0.05] = draw(st.sampled_from([2**31 - 1, -(2**31)]))
+    bags = draw(st.booleans())
+    values = rng.normal(size=((max(n // 2, 1) if bags else n), width)).astype(np.float32)
+    values[rng.random(values.shape) < 0.05] = -0.0
+    poison = draw(st.sampled_from([None, None, np.nan, np.inf, -np.inf]))
+    if poison is not None and values.size:
+        values.flat[rng.integers(0, values.size)] = poison
+    return rows, ids, values, (rng.integers(0, len(values), n).astype(np.int32), rng.random(
+        n).astype(np.float32)) if bags else None
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=records())
+def test_native_dedup_is_the_pure_dedup_bit_for_bit(case):
+    import jax.numpy as jnp
+
+    rows, ids, values, bags = case
+    grads = jnp.asarray(values)
+    if bags is not None:
+        grads = sparseopt.row_grads.BagGrads(grads, jnp.asarray(bags[0]), jnp.asarray(bags[1]))
+    record = sparseopt.row_grads.RowGrads(jnp.asarray(ids), grads)
+    (got, got_space), (want, want_space) = (_dedup(record, rows, True),
+                                            _dedup(record, rows, False))
+    for a, b in zip(got, want):
+        _same_bits(a, b)
+    seen = np.unique(ids[(ids >= 0) & (ids < rows)])
+    np.testing.assert_array_equal(got_space[seen], want_space[seen])
+
+
+def _train(use_native, dtype=None, combiner=None, group=False):
+    native.set_enabled(use_native)
+    try:
+        keras.utils.set_random_seed(2)
+        ids = [keras.Input((5,), dtype="int32", name=f"{n}_ids") for n in ("a", "b")]
+        layers = [sparseopt.layers.SparseEmbedding(
+            300, 4, sparseopt.updaters.Adagrad(0.1), combiner=combiner, dtype=dtype, name=n)
+            for n in ("a", "b")]
+        outs = [keras.layers.Flatten()(layer(i)) for layer, i in zip(layers, ids)]
+        model = keras.Model(ids, keras.layers.Concatenate()(outs))
+        model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1),
+                                                            group_tables=group),
+                      loss=dot_loss)
+        rng = np.random.default_rng(1)
+        xs, _ = batches(rng, 12, 8, 5, 300, 4, dup_vocab=40)
+        x = xs.reshape(-1, 5)
+        y = rng.normal(size=(len(x), 2 * (4 if combiner else 20))).astype("float32")
+        model.fit({"a_ids": x, "b_ids": x[::-1].copy()}, y, batch_size=8, shuffle=False,
+                  verbose=0)
+        scratch = {id(v) for v in model.optimizer.scratch_variables()}
+        return ([to_np(w) for w in model.weights]
+                + [to_np(v) for v in model.optimizer.variables if id(v) not in scratch])
+    finally:
+        native.set_enabled(False)
+
+
+@pytest.mark.parametrize("kind", ["ids", "bags", "groups", "int8"])
+def test_training_with_the_kernels_is_training_without_them_bit_for_bit(kind):
+    options = {"ids": {}, "bags": {"combiner": "sum"}, "groups": {"group": True},
+               "int8": {"dtype": "int8", "group": True}}[kind]
+    got, want = _train(True, **options), _train(False, **options)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        _same_bits(a, b)
+
+
+@pytest.mark.parametrize("dtype", [None, "int8"])
+def test_the_native_path_does_no_vocab_work_either(dtype):
+    """`tests/test_no_vocab_work.py` checks the default (pure) path; the native one
+    too: the workspace, aliased to the call's output, is written in place."""
+    from tests.test_no_vocab_work import assert_no_vocab_work, make_model, vocab_sized_work
+
+    native.set_enabled(True)
+    try:
+        model, data = make_model(sparseopt.DispatchOptimizer(keras.optimizers.Adam()),
+                                 dtype=dtype)
+        model.train_on_batch(*data)
+        assert_no_vocab_work(vocab_sized_work(model, data))
+    finally:
+        native.set_enabled(False)
