@@ -21,8 +21,11 @@ from sparseopt import native
 from tests.conftest import to_np
 from tests.helpers import batches, dot_loss
 
-pytestmark = pytest.mark.skipif(keras.backend.backend() != "jax",
-                                reason="the native kernels are XLA FFI calls (JAX)")
+# JAX only (XLA FFI calls): `make test` runs them in its JAX session (and deselects
+# them in the TensorFlow one); a TensorFlow session run by hand skips them.
+pytestmark = [pytest.mark.jax_session,
+              pytest.mark.skipif(keras.backend.backend() != "jax",
+                                 reason="the native kernels are XLA FFI calls (JAX)")]
 
 
 def test_the_kernels_build_and_load_here():
@@ -161,3 +164,18 @@ def test_the_native_path_does_no_vocab_work_either(dtype):
         assert_no_vocab_work(vocab_sized_work(model, data))
     finally:
         native.set_enabled(False)
+
+
+@pytest.mark.parametrize("value,expected", [("1", True), ("0", False), (None, False)])
+def test_the_environment_switch(value, expected):
+    """`SPARSEOPT_NATIVE=1` turns the kernels on for a process; unset or 0: off."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "SPARSEOPT_NATIVE"}
+    if value is not None:
+        env["SPARSEOPT_NATIVE"] = value
+    code = "from sparseopt import native; print(native.enabled())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out[-1] == str(expected)
