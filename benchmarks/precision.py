@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 
 import common  # noqa: E402
 import sparseopt  # noqa: E402
-from sparseopt import quantization  # noqa: E402
+from sparseopt import native, quantization  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
 RESULTS = HERE / "results"
@@ -60,6 +60,7 @@ VARIANTS = {
 }
 WIDTH, BATCH, DENSE_FEATURES = 16, 1024, 13
 ROWS_CAP = 300_000
+NATIVE = " (native)"
 TABLE_ROWS = {f"c{i}": min(rows, ROWS_CAP) for i, rows in enumerate(common.CRITEO_KAGGLE)}
 VALIDATION_EXAMPLES = 50_000
 
@@ -175,12 +176,19 @@ def train(names, x, y, val_x, val_y, examples, chunks):
 
 
 def step_times(names, x, y, rounds, steps):
-    """Median ms per step of each variant, timed round-robin: `rounds` x `steps` steps each."""
-    models = {name: build(name) for name in names}
+    """Median ms per step of each variant, timed round-robin: `rounds` x `steps` steps each.
+
+    A name ending in " (native)" is its variant with every native kernel of
+    sparseopt on (`sparseopt.native`, read when its step is traced: at its first
+    `fit`); the others run the pure path.
+    """
+    models = {name: build(name.removesuffix(NATIVE)) for name in names}
     n = BATCH * steps
     part = ({k: v[:n] for k, v in x.items()}, y[:n])
-    for model in models.values():  # compile
+    for name, model in models.items():  # compile
+        native.set_enabled(name.endswith(NATIVE))  # (else every kernel off: the pure path)
         model.fit(*part, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    native.set_enabled(None)
     times = {name: [] for name in names}
     for _ in range(rounds):
         for name, model in models.items():
@@ -188,6 +196,25 @@ def step_times(names, x, y, rounds, steps):
             model.fit(*part, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
             times[name].append((time.perf_counter() - start) / steps * 1e3)
     return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def times_only(variants, rounds=8, steps=20):
+    """Step times of `variants`, each with and without the native kernels, round-robin."""
+    backend = keras.backend.backend()
+    data, labels = common.clicks(np.random.default_rng(0), TABLE_ROWS, BATCH * steps,
+                                 DENSE_FEATURES)
+    names = [v + suffix for v in variants for suffix in ("", NATIVE)]
+    ms = step_times(names, data, labels, rounds, steps)
+    base = ms[variants[0]]
+    print(f"\n| variant ({backend}) | ms/step | vs {variants[0]} |")
+    print("|---|---|---|")
+    for name in names:
+        print(f"| {name} | {ms[name]:.1f} | {ms[name] / base:.2f}x |")
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"precision_times_{backend}.json"
+    path.write_text(json.dumps({"backend": backend, "batch": BATCH, "rounds": rounds,
+                                "steps": steps, "ms_per_step": ms}, indent=1))
+    print(f"\nwrote {path}")
 
 
 def plot(curves, path, backend):
@@ -207,7 +234,13 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--examples", type=int, default=None)
     parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--times-only", nargs="+", metavar="VARIANT",
+                        help="only the step times of these variants on the pure path and "
+                             "with the native kernels on ('<variant> (native)'), side by side")
     args = parser.parse_args()
+    if args.times_only:
+        times_only(args.times_only)
+        return
     examples = args.examples or (600_000 if args.quick else 2_400_000)
     backend = keras.backend.backend()
     print(f"precision benchmark: {backend}, {examples:,} examples, batch {BATCH:,}, "

@@ -1,11 +1,13 @@
 """The native kernels (`sparseopt.native`) against the pure path they replace, bit for bit.
 
-JAX on CPU: the one-pass dedup and sum (`dedup_sum.cc`, an XLA FFI custom
-call) gives the pure path's `Distinct` and workspace entries exactly, for
-Hypothesis-drawn steps (bad ids, duplicates, empty batches, bags with their
-weights, signed zeros, non-finite gradients); whole training runs (per id,
-pooled bags, table groups, an int8 table) end with the same tables and state
-bit for bit either way; the native path keeps the no-vocabulary-work property.
+JAX on CPU: the dedup and sum (`dedup_sum.cc`, an XLA FFI custom call) gives
+the pure path's `Distinct` and workspace entries exactly, for Hypothesis-drawn
+steps (bad ids, duplicates, empty batches, bags with their weights, signed
+zeros, non-finite gradients); whole training runs (per id, pooled bags, table
+groups, an int8 table, a bfloat16 table with bfloat16 state: the in-place
+writes of `set_rows.cc`) end with the same tables and state bit for bit with
+every kernel on and every kernel off; with them on, a step keeps the
+no-vocabulary-work property (bfloat16 included, without the pure path's copy).
 """
 
 import sys
@@ -30,18 +32,20 @@ pytestmark = [pytest.mark.jax_session,
 
 def test_the_kernels_build_and_load_here():
     """On Linux with a C++ compiler (this project's machines) they must: a broken
-    build would otherwise only show as a missing speed-up. Off by default."""
+    build would otherwise only show as a missing speed-up. Defaults: bfloat16
+    writes on, the dedup off; the switch forces every kernel."""
     assert sys.platform.startswith("linux")
     assert native.build_error() is None and native.available()
-    assert not native.enabled()
-    native.set_enabled(True)
+    assert native.enabled("bf16_writes") and not native.enabled("dedup")
     try:
-        assert native.enabled()
+        native.set_enabled(True)
+        assert native.enabled("bf16_writes") and native.enabled("dedup")
         with native.disabled():
-            assert not native.enabled()
-        assert native.enabled()
+            assert not native.enabled("bf16_writes") and not native.enabled("dedup")
+        assert native.enabled("dedup")
     finally:
-        native.set_enabled(False)
+        native.set_enabled(None)
+    assert native.enabled("bf16_writes") and not native.enabled("dedup")
 
 
 def _dedup(record, num_rows, use_native):
@@ -61,12 +65,14 @@ def _dedup(record, num_rows, use_native):
 
         return jax.tree_util.tree_map(np.asarray, run(jnp.zeros((num_rows,), jnp.int32)))
     finally:
-        native.set_enabled(False)
+        native.set_enabled(None)
 
 
 def _same_bits(a, b):
     a, b = np.asarray(a), np.asarray(b)
     assert a.shape == b.shape and a.dtype == b.dtype
+    if a.dtype.kind == "V" or (a.dtype.itemsize == 2 and a.dtype != np.int16):
+        a, b = a.view(np.uint16), b.view(np.uint16)  # 16-bit floats: their bits
     if a.dtype == np.float32:
         nan = np.isnan(a)
         np.testing.assert_array_equal(nan, np.isnan(b))
@@ -114,14 +120,15 @@ def test_native_dedup_is_the_pure_dedup_bit_for_bit(case):
     np.testing.assert_array_equal(got_space[seen], want_space[seen])
 
 
-def _train(use_native, dtype=None, combiner=None, group=False):
+def _train(use_native, dtype=None, combiner=None, group=False, state_dtype="float32"):
     native.set_enabled(use_native)
     try:
         keras.utils.set_random_seed(2)
         ids = [keras.Input((5,), dtype="int32", name=f"{n}_ids") for n in ("a", "b")]
+        storage = sparseopt.TableStorage(state_dtype=state_dtype)
         layers = [sparseopt.layers.SparseEmbedding(
-            300, 4, sparseopt.updaters.Adagrad(0.1), combiner=combiner, dtype=dtype, name=n)
-            for n in ("a", "b")]
+            300, 4, sparseopt.updaters.Adagrad(0.1), combiner=combiner, dtype=dtype, name=n,
+            storage=storage) for n in ("a", "b")]
         outs = [keras.layers.Flatten()(layer(i)) for layer, i in zip(layers, ids)]
         model = keras.Model(ids, keras.layers.Concatenate()(outs))
         model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1),
@@ -137,23 +144,27 @@ def _train(use_native, dtype=None, combiner=None, group=False):
         return ([to_np(w) for w in model.weights]
                 + [to_np(v) for v in model.optimizer.variables if id(v) not in scratch])
     finally:
-        native.set_enabled(False)
+        native.set_enabled(None)
 
 
-@pytest.mark.parametrize("kind", ["ids", "bags", "groups", "int8"])
+@pytest.mark.parametrize("kind", ["ids", "bags", "groups", "int8", "bfloat16"])
 def test_training_with_the_kernels_is_training_without_them_bit_for_bit(kind):
+    """Every kernel on against every kernel off (bfloat16: the in-place writes of
+    the table and of bfloat16 state, stochastically rounded)."""
     options = {"ids": {}, "bags": {"combiner": "sum"}, "groups": {"group": True},
-               "int8": {"dtype": "int8", "group": True}}[kind]
+               "int8": {"dtype": "int8", "group": True},
+               "bfloat16": {"dtype": "bfloat16", "state_dtype": "bfloat16"}}[kind]
     got, want = _train(True, **options), _train(False, **options)
     assert len(got) == len(want)
     for a, b in zip(got, want):
         _same_bits(a, b)
 
 
-@pytest.mark.parametrize("dtype", [None, "int8"])
+@pytest.mark.parametrize("dtype", [None, "int8", "bfloat16"])
 def test_the_native_path_does_no_vocab_work_either(dtype):
-    """`tests/test_no_vocab_work.py` checks the default (pure) path; the native one
-    too: the workspace, aliased to the call's output, is written in place."""
+    """`tests/test_no_vocab_work.py` checks the default path; every kernel on too:
+    the workspace, aliased to the dedup's output, and a bfloat16 table, aliased to
+    its writes' output, are written in place."""
     from tests.test_no_vocab_work import assert_no_vocab_work, make_model, vocab_sized_work
 
     native.set_enabled(True)
@@ -163,19 +174,22 @@ def test_the_native_path_does_no_vocab_work_either(dtype):
         model.train_on_batch(*data)
         assert_no_vocab_work(vocab_sized_work(model, data))
     finally:
-        native.set_enabled(False)
+        native.set_enabled(None)
 
 
-@pytest.mark.parametrize("value,expected", [("1", True), ("0", False), (None, False)])
+@pytest.mark.parametrize("value,expected", [("1", "True True"), ("0", "False False"),
+                                            (None, "True False")])
 def test_the_environment_switch(value, expected):
-    """`SPARSEOPT_NATIVE=1` turns the kernels on for a process; unset or 0: off."""
+    """`SPARSEOPT_NATIVE=1` turns every kernel on for a process, 0 every one off;
+    unset: each at its default (bfloat16 writes on, the dedup off)."""
     import os
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k != "SPARSEOPT_NATIVE"}
     if value is not None:
         env["SPARSEOPT_NATIVE"] = value
-    code = "from sparseopt import native; print(native.enabled())"
+    code = ("from sparseopt import native; "
+            "print(native.enabled('bf16_writes'), native.enabled('dedup'))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True).stdout.split()
-    assert out[-1] == str(expected)
+                         check=True).stdout.strip().splitlines()
+    assert out[-1] == expected

@@ -3,7 +3,8 @@
 `dedup` is `jax.py`'s `dedup` as one XLA FFI custom call: the same `Distinct`
 and the same workspace entries, bit for bit, with no segment sum over an
 `[ids, width]` buffer. The workspace is aliased to the call's output:
-written in place.
+written in place. `set_rows_bf16` is `jax_rows.set_rows` of a bfloat16 array,
+written in place (XLA:CPU would copy the array around its scatter).
 """
 
 import jax
@@ -18,9 +19,15 @@ def applies(workspace):
     """Whether the native dedup runs for a table with `workspace`: kernels on, JAX on
     CPU, and the workspace on one device (a custom call on an array split or
     replicated over a mesh would be computed on a whole copy)."""
-    return (native.enabled() and jax.default_backend() == "cpu"
+    return (native.enabled("dedup") and jax.default_backend() == "cpu"
             and jax_sharding.row_shards(workspace) is None
             and jax_sharding.replicated_on_mesh_of(workspace) is None)
+
+
+def writes_bf16():
+    """Whether bfloat16 row writes run natively (kernels on; JAX on CPU, where XLA has no
+    bfloat16 scatter)."""
+    return native.enabled("bf16_writes") and jax.default_backend() == "cpu"
 
 
 def dedup(record, num_rows, workspace):
@@ -51,3 +58,12 @@ def dedup(record, num_rows, workspace):
 
 def _width(grads):
     return (grads.values if isinstance(grads, BagGrads) else grads).shape[-1]
+
+
+def set_rows_bf16(value, ids, rows):
+    """`value` (bfloat16 `[V, D]`) with rows `ids` set to `rows`, written in place by the
+    native call (ids past the end dropped; `set_rows_bf16` in `set_rows.cc`)."""
+    return jax.ffi.ffi_call("sparseopt_set_rows_bf16",
+                            jax.ShapeDtypeStruct(value.shape, value.dtype),
+                            input_output_aliases={0: 0}, vmap_method="sequential")(
+        value, ids.astype(jnp.int32).reshape(-1), rows.astype(value.dtype))

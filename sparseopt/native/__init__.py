@@ -1,25 +1,30 @@
 """Native CPU kernels for the generic part of a table's step (issue "Native CPU kernels").
 
-What is native: the dedup and sum of a step's ids and row gradients (per id
-or per pooled bag) in one pass (`dedup_sum.cc`), as XLA FFI custom calls on
-JAX's CPU backend. Rules stay `keras.ops` functions; everything else runs the
-pure path. Results equal the pure path's bit for bit (tests/test_native.py).
+What is native, as XLA FFI custom calls on JAX's CPU backend:
 
-Off by default: measured, it is no faster than XLA's own dedup yet (both are
-bound by the same random accesses; docs/benchmarks.md, "Native kernels"). It
-is the seam the next kernels (a fused gather, rule and scatter) plug into.
+- `bf16_writes` (on by default): in-place row writes of bfloat16 arrays
+  (`set_rows.cc`). XLA:CPU has no bfloat16 scatter, so the pure path copies a
+  bfloat16 table (and bfloat16 state) every step; this writes the step's rows
+  only (measured: a bfloat16 DLRM step 2.9x float32's -> 0.96x).
+- `dedup` (off by default): the dedup and sum of a step's ids and row
+  gradients, per id or per pooled bag (`dedup_sum.cc`). Measured no faster
+  than XLA's own dedup yet (both bound by the same random accesses;
+  docs/benchmarks.md, "Native kernels"): the seam the next kernels plug into.
+
+Rules stay `keras.ops` functions; everything else runs the pure path.
+Results equal the pure path's bit for bit (tests/test_native.py).
 
 How it is built: from source, with the system C++ compiler, against the XLA
 FFI headers jaxlib ships (`jax.ffi.include_dir()`), on first use in a
 process (`make env` builds it at install), into `sparseopt/native/_build/`
 (or `~/.cache/sparseopt/native` where the package is not writable), keyed by
-the source, the flags and the JAX version. A build that fails (no compiler,
+the sources, the flags and the JAX version. A build that fails (no compiler,
 another OS) is logged once and the pure path runs: an import never fails.
 
-The switch: `SPARSEOPT_NATIVE=1` in the environment turns the kernels on
-for a process; `set_enabled(True)` / `set_enabled(False)` (and `disabled()`)
-in a process (steps traced afterwards). On GPUs and TensorFlow the pure path
-runs.
+The switch: `SPARSEOPT_NATIVE=1` in the environment turns every kernel on,
+`SPARSEOPT_NATIVE=0` every kernel off (unset: each kernel's default);
+`set_enabled(True / False / None)` and `disabled()` do the same in a process
+(for steps traced afterwards). On GPUs and TensorFlow the pure path runs.
 """
 
 import contextlib
@@ -34,20 +39,26 @@ import sys
 
 _LOG = logging.getLogger("sparseopt.native")
 HERE = pathlib.Path(__file__).parent
-SOURCES = ("dedup_sum.cc",)
+SOURCES = ("dedup_sum.cc", "set_rows.cc")
 # No FMA contraction: each product is rounded before it is added, as XLA's
 # pure path computes it.
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off", "-w")
 TARGETS = {"sparseopt_dedup_sum": "SparseoptDedupSum",
-           "sparseopt_dedup_sum_bags": "SparseoptDedupSumBags"}
+           "sparseopt_dedup_sum_bags": "SparseoptDedupSumBags",
+           "sparseopt_set_rows_bf16": "SparseoptSetRowsBf16"}
 
-_state = {"enabled": os.environ.get("SPARSEOPT_NATIVE", "0") == "1", "library": None,
+# Each kernel's default (`SPARSEOPT_NATIVE` unset): on where it was measured faster.
+DEFAULTS = {"bf16_writes": True, "dedup": False}
+_FORCED = {"1": True, "0": False}
+
+_state = {"enabled": _FORCED.get(os.environ.get("SPARSEOPT_NATIVE", "")), "library": None,
           "tried": False, "error": None}
 
 
 def set_enabled(flag):
-    """Turns the native kernels on or off for steps traced from now on."""
-    _state["enabled"] = bool(flag)
+    """Every native kernel on (True) or off (False), or each at its default (None), for
+    steps traced from now on."""
+    _state["enabled"] = None if flag is None else bool(flag)
 
 
 @contextlib.contextmanager
@@ -61,9 +72,12 @@ def disabled():
         _state["enabled"] = before
 
 
-def enabled():
-    """Whether JAX steps traced now use the native kernels (switched on, built, loaded)."""
-    return _state["enabled"] and _load_jax() is not None
+def enabled(kernel):
+    """Whether JAX steps traced now use native kernel `kernel` (`"bf16_writes"` or
+    `"dedup"`): switched on (or on by default), built and loaded."""
+    flag = _state["enabled"]
+    on = DEFAULTS[kernel] if flag is None else flag
+    return on and _load_jax() is not None
 
 
 def available():
