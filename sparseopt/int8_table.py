@@ -133,6 +133,10 @@ class Int8Table:
         outside the train step; it holds a float32 copy of the table.
         """
         self.flush()
+        return self.values()
+
+    def values(self):
+        """float32 `[V, D]`: every row as stored (buffered rows not written)."""
         return quantization.dequantize(self.codes.value, self.scale.value)
 
     def assign_whole(self, values, quantize):

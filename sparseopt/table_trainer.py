@@ -14,7 +14,7 @@ import weakref
 import keras
 from keras import ops
 
-from sparseopt import backend, checks, compat, precision, quantization, storage, updaters
+from sparseopt import backend, checks, compat, precision, storage, updaters
 from sparseopt.updaters import hyperparameters
 from sparseopt.distribution import layout_like, replicated_beside
 from sparseopt.int8_apply import finish_int8, quantized, rows_read, update_int8
@@ -334,7 +334,7 @@ class TableTrainer:
         """float32 `[V, D]`: the table when its optimizer is built (an int8 table's
         buffer is empty then: it fills only in steps)."""
         if self.int8 is not None:
-            return quantization.dequantize(self.int8.codes.value, self.int8.scale.value)
+            return self.int8.values()
         return ops.cast(self.table.value, "float32")
 
     def _table_values(self):

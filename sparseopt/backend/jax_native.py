@@ -40,16 +40,15 @@ def dedup(record, num_rows, workspace):
     out = (jax.ShapeDtypeStruct((size,), jnp.int32),
            jax.ShapeDtypeStruct((size, _width(grads)), jnp.float32),
            jax.ShapeDtypeStruct((), jnp.int32),
-           jax.ShapeDtypeStruct((size,), jnp.int32),
            jax.ShapeDtypeStruct(space.shape, space.dtype))
     if isinstance(grads, BagGrads):
         inputs = (ids, grads.values.astype(jnp.float32), grads.bag.astype(jnp.int32),
                   grads.weight.astype(jnp.float32), space)
-        target, alias = "sparseopt_dedup_sum_bags", {4: 4}
+        target, alias = "sparseopt_dedup_sum_bags", {4: 3}
     else:
         inputs = (ids, grads.astype(jnp.float32), space)
-        target, alias = "sparseopt_dedup_sum", {2: 4}
-    uniq, summed, count, _, space = jax.ffi.ffi_call(
+        target, alias = "sparseopt_dedup_sum", {2: 3}
+    uniq, summed, count, space = jax.ffi.ffi_call(
         target, out, input_output_aliases=alias, vmap_method="sequential")(
             *inputs, num_rows=int(num_rows))
     workspace.assign(space)

@@ -31,10 +31,9 @@ namespace {
 // the two agree). The same persistent `workspace` (one entry per row) is the
 // index here: no table is built or cleared per step, and it ends holding what
 // the pure path leaves. `slot_of[i]` is id i's distinct entry (-1 for an
-// invalid id), `uniq` the distinct ids, `where` the position each is numbered
-// at. Returns their count.
+// invalid id), `uniq` the distinct ids. Returns their count.
 int64_t Number(const int32_t* ids, int64_t n, int64_t num_rows, int32_t* workspace,
-               std::vector<int32_t>* slot_of, int32_t* uniq, int32_t* where) {
+               std::vector<int32_t>* slot_of, int32_t* uniq) {
   for (int64_t i = 0; i < n; ++i) {
     const int32_t id = ids[i];
     if (id >= 0 && id < num_rows) workspace[id] = static_cast<int32_t>(i);
@@ -52,7 +51,6 @@ int64_t Number(const int32_t* ids, int64_t n, int64_t num_rows, int32_t* workspa
     if (last[i] == i) {
       slot[i] = static_cast<int32_t>(count);
       uniq[count] = id;
-      where[count] = static_cast<int32_t>(i);
       ++count;
     }
   }
@@ -78,11 +76,10 @@ void SumRows(const std::vector<int32_t>& slot_of, int64_t width, float* summed, 
 // Padding after the `count` distinct entries: ids past the table (distinct
 // where they fit in int32, as `jax_rows.padding_ids`), zero gradients.
 void Pad(int64_t count, int64_t size, int64_t num_rows, int64_t width, int32_t* uniq,
-         float* summed, int32_t* first) {
+         float* summed) {
   const bool distinct = num_rows + size <= INT32_MAX;
   for (int64_t j = count; j < size; ++j) {
     uniq[j] = static_cast<int32_t>(distinct ? num_rows + j : num_rows);
-    first[j] = 0;
   }
   std::memset(summed + count * width, 0, sizeof(float) * (size - count) * width);
 }
@@ -94,29 +91,28 @@ void Pad(int64_t count, int64_t size, int64_t num_rows, int64_t width, int32_t* 
 template <typename Add>
 void DedupSum(const int32_t* ids, int64_t n, int64_t num_rows, int64_t width,
               ffi::ResultBuffer<ffi::S32>& uniq, ffi::ResultBuffer<ffi::F32>& summed,
-              ffi::ResultBuffer<ffi::S32>& count_out, ffi::ResultBuffer<ffi::S32>& first,
+              ffi::ResultBuffer<ffi::S32>& count_out,
               ffi::ResultBuffer<ffi::S32>& workspace, Add add) {
   const int64_t size = uniq->element_count();
   std::vector<int32_t> slot_of;
   int32_t* u = uniq->typed_data();
-  int32_t* f = first->typed_data();
   float* s = summed->typed_data();
-  const int64_t count = Number(ids, n, num_rows, workspace->typed_data(), &slot_of, u, f);
+  const int64_t count = Number(ids, n, num_rows, workspace->typed_data(), &slot_of, u);
   std::memset(s, 0, sizeof(float) * count * width);
   SumRows(slot_of, width, s, add);
-  Pad(count, size, num_rows, width, u, s, f);
+  Pad(count, size, num_rows, width, u, s);
   *count_out->typed_data() = static_cast<int32_t>(count);
 }
 
 ffi::Error DedupSumImpl(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> rows,
                         ffi::Buffer<ffi::S32> workspace_in, int64_t num_rows,
                         ffi::ResultBuffer<ffi::S32> uniq, ffi::ResultBuffer<ffi::F32> summed,
-                        ffi::ResultBuffer<ffi::S32> count_out, ffi::ResultBuffer<ffi::S32> first,
+                        ffi::ResultBuffer<ffi::S32> count_out,
                         ffi::ResultBuffer<ffi::S32> workspace) {
   const int64_t n = ids.element_count();
   const int64_t width = n ? rows.element_count() / n : 0;
   const float* r = rows.typed_data();
-  DedupSum(ids.typed_data(), n, num_rows, width, uniq, summed, count_out, first, workspace,
+  DedupSum(ids.typed_data(), n, num_rows, width, uniq, summed, count_out, workspace,
            [&](int64_t i, float* out) {
              const float* in = r + i * width;
              for (int64_t d = 0; d < width; ++d) out[d] += in[d];
@@ -130,7 +126,6 @@ ffi::Error DedupSumBagsImpl(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> val
                             ffi::Buffer<ffi::S32> workspace_in, int64_t num_rows,
                             ffi::ResultBuffer<ffi::S32> uniq, ffi::ResultBuffer<ffi::F32> summed,
                             ffi::ResultBuffer<ffi::S32> count_out,
-                            ffi::ResultBuffer<ffi::S32> first,
                             ffi::ResultBuffer<ffi::S32> workspace) {
   const int64_t n = ids.element_count();
   const int64_t bags = values.dimensions().size() ? values.dimensions()[0] : 0;
@@ -138,7 +133,7 @@ ffi::Error DedupSumBagsImpl(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> val
   const float* v = values.typed_data();
   const int32_t* b = bag.typed_data();
   const float* w = weight.typed_data();
-  DedupSum(ids.typed_data(), n, num_rows, width, uniq, summed, count_out, first, workspace,
+  DedupSum(ids.typed_data(), n, num_rows, width, uniq, summed, count_out, workspace,
            [&](int64_t i, float* out) {
              if (b[i] < 0 || b[i] >= bags) return;
              const float* in = v + static_cast<int64_t>(b[i]) * width;
@@ -159,7 +154,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseoptDedupSum, DedupSumImpl,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseoptDedupSumBags, DedupSumBagsImpl,
@@ -172,6 +166,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseoptDedupSumBags, DedupSumBagsImpl,
                                   .Attr<int64_t>("num_rows")
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
