@@ -9,7 +9,7 @@ of the lookup's `tf.IndexedSlices`.
 import keras
 import tensorflow as tf
 from sparseopt import compat
-from sparseopt.backend import tensorflow_kernels
+from sparseopt.backend import tensorflow_kernels, tensorflow_native
 from sparseopt.row_grads import BagGrads, Distinct, RowGrads
 
 
@@ -74,6 +74,8 @@ def dedup(record, num_rows, workspace):
         num_rows: the table's row count.
         workspace: int32 Keras variable with `num_rows + WORKSPACE_SINK` entries.
     """
+    if tensorflow_native.applies(record):  # the same result in one native op
+        return tensorflow_native.dedup(record, num_rows, local(workspace))
     grads = record.grads
     ids = tf.cast(record.ids, tf.int64)
     num_rows = tf.constant(num_rows, tf.int64)

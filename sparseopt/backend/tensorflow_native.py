@@ -1,0 +1,39 @@
+"""TensorFlow: the native op's call (`sparseopt.native`), where it replaces the pure path.
+
+`dedup` is `tensorflow.py`'s `dedup` as one op (`tf_ops.cc`) on the workspace
+variable: the same distinct ids, sums and workspace entries, with no
+`[ids, width]` buffers and no slicing. Its distinct ids come in the order of
+their last occurrence; the pure path's come in the order its scatter's
+landing writes give, which TensorFlow's parallel scatter does not fix (the
+per-row results are the same either way).
+"""
+
+import tensorflow as tf
+
+from sparseopt import compat, native
+from sparseopt.row_grads import BagGrads, Distinct
+
+
+def applies(record):
+    """Whether the native dedup runs for `record`: the op switched on and built, not
+    inside an XLA cluster (a custom op does not compile there), no GPU (the op is a
+    CPU kernel), float32 gradients of rank 2."""
+    grads = record.grads.values if isinstance(record.grads, BagGrads) else record.grads
+    return (native.enabled("tf_dedup") and not compat.in_xla_context()
+            and not tf.config.list_logical_devices("GPU")
+            and grads.dtype == tf.float32 and grads.shape.rank == 2)
+
+
+def dedup(record, num_rows, space):
+    """`tensorflow.dedup` by the native op, on `space` (the replica's workspace
+    `tf.Variable`)."""
+    ids = tf.cast(record.ids, tf.int64)
+    grads = record.grads
+    if isinstance(grads, BagGrads):
+        rows, bag, weight, bags = (grads.values, tf.cast(grads.bag, tf.int32),
+                                   tf.cast(grads.weight, tf.float32), True)
+    else:
+        rows, bag, weight, bags = grads, tf.zeros([0], tf.int32), tf.zeros([0], tf.float32), False
+    uniq, summed, count = native.tf_ops().sparseopt_dedup_sum(
+        space.handle, ids, rows, bag, weight, num_rows=int(num_rows), bags=bags)
+    return Distinct(uniq, summed, count)
