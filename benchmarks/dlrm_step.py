@@ -21,8 +21,8 @@ trained by row-wise Adagrad or Adagrad (learning rate 0.05), batches 1,024 to
     framework   peer        tables trained by
     jax, tf     sparseopt   SparseEmbedding + DispatchOptimizer(Adam)
                             (`<framework>-sparseopt-grouped`: the same with group_tables=True;
-                            `jax-sparseopt-native`: the same with the native kernels on,
-                            SPARSEOPT_NATIVE=1)
+                            `<framework>-sparseopt-native`: the same with every native
+                            kernel on, SPARSEOPT_NATIVE=1; `-pure`: every one off, =0)
     torch       fbgemm      one SplitTableBatchedEmbeddingBagsCodegen holding every table
                             (EXACT_ROWWISE_ADAGRAD / EXACT_ADAGRAD, fused CPU backward)
     jax         keras       keras.layers.Embedding + Adagrad (dense gradient), where it
@@ -325,8 +325,10 @@ def spawn(spec, budget_s, malloc="hugepages"):
         env.update(HOST_MALLOC)
     if framework != "torch":
         env["KERAS_BACKEND"] = framework
-    if spec["peer"].endswith("-native"):  # sparseopt with its native kernels on
+    if spec["peer"].endswith("-native"):  # sparseopt with every native kernel on
         env["SPARSEOPT_NATIVE"] = "1"
+    elif spec["peer"].endswith("-pure"):  # ... and with every one off
+        env["SPARSEOPT_NATIVE"] = "0"
     return subprocess.Popen(
         [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", json.dumps(spec),
          "--budget", str(budget_s)],
@@ -387,9 +389,8 @@ def ratio_rows(results):
     rows = []
     for key, peers_at in sorted(by_key.items()):
         fb = peers_at.get("torch-fbgemm")
-        for peer in ("jax-sparseopt", "jax-sparseopt-grouped", "jax-sparseopt-native",
-                     "tensorflow-sparseopt", "tensorflow-sparseopt-grouped", "keras-jax"):
-            if peer in peers_at and fb is not None:
+        for peer in sorted(p for p in peers_at if p != "torch-fbgemm"):
+            if fb is not None:
                 rows.append(dict(zip(("variant", "width", "rule", "batch"), key), peer=peer,
                                  ratio=peers_at[peer]["median_ms"] / fb["median_ms"],
                                  interleaved=not (peers_at[peer]["alone"] or fb["alone"])))
@@ -474,7 +475,8 @@ def plots(data, out, stem):
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
     colors = {"jax-sparseopt": "C0", "tensorflow-sparseopt": "C1", "torch-fbgemm": "C2",
-              "jax-sparseopt-native": "C4",
+              "jax-sparseopt-native": "C4", "jax-sparseopt-pure": "C5",
+              "tensorflow-sparseopt-pure": "C6", "tensorflow-sparseopt-native": "C7",
               "keras-jax": "C3"}
     for ax, (variant, width, rule) in zip(axes.flat, panels):
         for peer in sorted({r["peer"] for r in ok}):
