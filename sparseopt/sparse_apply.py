@@ -232,9 +232,9 @@ def prepare_group(members, workspace=None):
     """Dedups a group's step at once: a `PreparedGroup`.
 
     The ids of every table are shifted into one id space (table `t`'s rows
-    follow table `t-1`'s) and deduplicated together; `dedup` keeps the
-    distinct ids in order of first occurrence, so each table's distinct ids
-    come out as one contiguous run, which `finish_group` hands to that
+    follow table `t-1`'s) and deduplicated together; `dedup` numbers the
+    distinct ids in the order of their (representative) positions, so each
+    table's distinct ids come out as one contiguous run, which `finish_group` hands to that
     table's gather, rule and scatter. Each table keeps its own finiteness
     check: a non-finite gradient skips its own table only.
 

@@ -102,20 +102,32 @@ def records(draw):
         n).astype(np.float32)) if bags else None
 
 
+def drawn_record(case, array):
+    """The `RowGrads` of a `records()` case, its arrays made by `array` (a backend's own)."""
+    _, ids, values, bags = case
+    grads = array(values)
+    if bags is not None:
+        grads = sparseopt.row_grads.BagGrads(grads, array(bags[0]), array(bags[1]))
+    return sparseopt.row_grads.RowGrads(array(ids), grads)
+
+
+def both_dedups(dedup, case, array):
+    """`dedup(record, rows, use_native)` with the kernel and without, their `Distinct`s
+    compared bit for bit; returns both workspaces."""
+    record, rows = drawn_record(case, array), case[0]
+    (got, got_space), (want, want_space) = dedup(record, rows, True), dedup(record, rows, False)
+    for a, b in zip(got, want):
+        _same_bits(a, b)
+    return got_space, want_space
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=records())
 def test_native_dedup_is_the_pure_dedup_bit_for_bit(case):
     import jax.numpy as jnp
 
-    rows, ids, values, bags = case
-    grads = jnp.asarray(values)
-    if bags is not None:
-        grads = sparseopt.row_grads.BagGrads(grads, jnp.asarray(bags[0]), jnp.asarray(bags[1]))
-    record = sparseopt.row_grads.RowGrads(jnp.asarray(ids), grads)
-    (got, got_space), (want, want_space) = (_dedup(record, rows, True),
-                                            _dedup(record, rows, False))
-    for a, b in zip(got, want):
-        _same_bits(a, b)
+    rows, ids = case[:2]
+    got_space, want_space = both_dedups(_dedup, case, jnp.asarray)
     seen = np.unique(ids[(ids >= 0) & (ids < rows)])
     np.testing.assert_array_equal(got_space[seen], want_space[seen])
 

@@ -64,8 +64,9 @@ DEFAULTS = {"bf16_writes": True, "dedup": False, "tf_dedup": True}
 TF_KERNELS = ("tf_dedup",)
 _FORCED = {"1": True, "0": False}
 
-_state = {"enabled": _FORCED.get(os.environ.get("SPARSEOPT_NATIVE", "")), "library": None,
-          "tried": False, "error": None, "tf": {"library": None, "tried": False, "error": None}}
+_state = {"enabled": _FORCED.get(os.environ.get("SPARSEOPT_NATIVE", "")),
+          "jax": {"library": None, "tried": False, "error": None},
+          "tf": {"library": None, "tried": False, "error": None}}
 
 
 def set_enabled(flag):
@@ -108,7 +109,7 @@ def build_error(framework="jax"):
         _load_tf()
         return _state["tf"]["error"]
     _load_jax()
-    return _state["error"]
+    return _state["jax"]["error"]
 
 
 def tf_ops():
@@ -177,42 +178,41 @@ def _compile(stem, sources, version, extra):
 
 
 def _load_jax():
-    """The loaded library with its FFI targets registered (once), or None."""
-    if _state["tried"]:
-        return _state["library"]
-    _state["tried"] = True
-    try:
+    """The loaded JAX library with its FFI targets registered (once), or None."""
+    def load():
         import jax
         import jax.ffi
 
-        if not sys.platform.startswith("linux"):
-            raise RuntimeError(f"built on Linux only, not {sys.platform}")
         library = ctypes.cdll.LoadLibrary(str(build()))
         for name, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)),
                                         platform="cpu")
-        _state["library"] = library
-    except Exception as e:  # noqa: BLE001 (any failure: the pure path, said once)
-        _state["error"] = f"{type(e).__name__}: {e}"
-        _LOG.warning("sparseopt: native kernels unavailable, using the pure path (%s)",
-                     _state["error"])
-    return _state["library"]
+        return library
+
+    return _load_once(_state["jax"], load, "kernels")
 
 
 def _load_tf():
     """The loaded TensorFlow op library (once), or None."""
-    state = _state["tf"]
+    def load():
+        import tensorflow as tf
+
+        return tf.load_op_library(str(build_tf()))
+
+    return _load_once(_state["tf"], load, "TensorFlow ops")
+
+
+def _load_once(state, load, what):
+    """`load()`'s library, tried once per process (`state` keeps it or why not)."""
     if state["tried"]:
         return state["library"]
     state["tried"] = True
     try:
-        import tensorflow as tf
-
         if not sys.platform.startswith("linux"):
             raise RuntimeError(f"built on Linux only, not {sys.platform}")
-        state["library"] = tf.load_op_library(str(build_tf()))
+        state["library"] = load()
     except Exception as e:  # noqa: BLE001 (any failure: the pure path, said once)
         state["error"] = f"{type(e).__name__}: {e}"
-        _LOG.warning("sparseopt: native TensorFlow ops unavailable, using the pure path (%s)",
+        _LOG.warning("sparseopt: native %s unavailable, using the pure path (%s)", what,
                      state["error"])
     return state["library"]
