@@ -205,3 +205,28 @@ def test_the_environment_switch(value, expected):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.strip().splitlines()
     assert out[-1] == expected
+
+
+def test_a_failed_build_is_said_once_and_the_pure_path_runs():
+    """No compiler (here: one that fails): importing and asking never raise; each
+    library's failure is logged once, however often it is asked for, and every kernel
+    reads as off (the pure path)."""
+    import os
+    import subprocess
+
+    code = (
+        "import logging, sparseopt\n"
+        "from sparseopt import native\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        # Flags no build was made with: a fresh key, so a build is attempted.
+        "native.FLAGS = native.FLAGS + ('-DSPARSEOPT_TEST_NO_SUCH_BUILD',)\n"
+        "print([native.enabled(k) for k in ('bf16_writes', 'dedup', 'tf_dedup') * 2])\n"
+        "print(native.build_error() is not None, native.build_error('tensorflow') is not None)\n"
+    )
+    env = dict(os.environ, CXX="false", SPARSEOPT_NATIVE="1")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True)
+    out = done.stdout.strip().splitlines()
+    assert out[-2:] == [str([False] * 6), "True True"]
+    assert done.stderr.count("native kernels unavailable, using the pure path") == 1
+    assert done.stderr.count("native TensorFlow ops unavailable, using the pure path") == 1
