@@ -64,12 +64,12 @@ def dedup(record, num_rows, workspace):
     representative. A running count of representatives then packs the
     distinct ids and their summed gradients in the order of the positions
     that landed (each id's last occurrence where TF's scatter runs serially,
-    below 1,024 ids), in one XLA-compiled function. Where the native op is
-    on (`tensorflow_native`), it does all of this at once. This replaces `tf.unique`, whose
-    single-threaded hash table took 17 / 98 ms for 327,680 / 1,310,720 skewed
-    ids against 9.6 / 35 ms here (measured). The workspace never enters the
-    XLA function: passed in, TF copied it whole on every call (42 ms for 200M
-    rows, measured).
+    below 1,024 ids), in one XLA-compiled function. This replaces
+    `tf.unique`, whose single-threaded hash table took 17 / 98 ms for
+    327,680 / 1,310,720 skewed ids against 9.6 / 35 ms here (measured). The
+    workspace never enters the XLA function: passed in, TF copied it whole on
+    every call (42 ms for 200M rows, measured). Where the native op is on
+    (`tensorflow_native`), one op does all of this.
 
     Args:
         record: the `RowGrads` (ids outside `[0, num_rows)` are ignored).

@@ -61,12 +61,13 @@ TARGETS = {"sparseopt_dedup_sum": "SparseoptDedupSum",
 
 # Each kernel's default (`SPARSEOPT_NATIVE` unset): on where it was measured faster.
 DEFAULTS = {"bf16_writes": True, "dedup": False, "tf_dedup": True}
-TF_KERNELS = ("tf_dedup",)
+# Each kernel's framework (its library); the others are JAX's.
+FRAMEWORK = {"tf_dedup": "tensorflow"}
 _FORCED = {"1": True, "0": False}
 
 _state = {"enabled": _FORCED.get(os.environ.get("SPARSEOPT_NATIVE", "")),
           "jax": {"library": None, "tried": False, "error": None},
-          "tf": {"library": None, "tried": False, "error": None}}
+          "tensorflow": {"library": None, "tried": False, "error": None}}
 
 
 def set_enabled(flag):
@@ -92,24 +93,19 @@ def enabled(kernel):
     loaded."""
     flag = _state["enabled"]
     on = DEFAULTS[kernel] if flag is None else flag
-    if not on:
-        return False
-    return (_load_tf() if kernel in TF_KERNELS else _load_jax()) is not None
+    return on and available(FRAMEWORK.get(kernel, "jax"))
 
 
 def available(framework="jax"):
     """Whether the kernels for `framework` (`"jax"` or `"tensorflow"`) are built and
     loaded here (switched on or not)."""
-    return (_load_tf() if framework == "tensorflow" else _load_jax()) is not None
+    return _LOADERS[framework]() is not None
 
 
 def build_error(framework="jax"):
     """Why the kernels for `framework` are not available (a string), or None."""
-    if framework == "tensorflow":
-        _load_tf()
-        return _state["tf"]["error"]
-    _load_jax()
-    return _state["jax"]["error"]
+    _LOADERS[framework]()
+    return _state[framework]["error"]
 
 
 def tf_ops():
@@ -199,7 +195,7 @@ def _load_tf():
 
         return tf.load_op_library(str(build_tf()))
 
-    return _load_once(_state["tf"], load, "TensorFlow ops")
+    return _load_once(_state["tensorflow"], load, "TensorFlow ops")
 
 
 def _load_once(state, load, what):
@@ -216,3 +212,6 @@ def _load_once(state, load, what):
         _LOG.warning("sparseopt: native %s unavailable, using the pure path (%s)", what,
                      state["error"])
     return state["library"]
+
+
+_LOADERS = {"jax": _load_jax, "tensorflow": _load_tf}

@@ -104,9 +104,9 @@ class DedupSumOp : public OpKernel {
     Tensor* space = var->tensor();
     OP_REQUIRES(ctx, space->dtype() == DT_INT32 && space->NumElements() > num_rows_,
                 errors::InvalidArgument("the workspace needs int32 entries for num_rows + 1"));
-    // In place, as the pure path's scatter (`ForSparseWrite`).
+    // In place, as the pure path's scatter (`ForSparseWrite` may swap the
+    // buffer behind `space`, the same Tensor object).
     OP_REQUIRES_OK(ctx, ForSparseWrite(ctx, var.get()));
-    space = var->tensor();
     int32_t* workspace = space->flat<int32_t>().data();
     const Id* id = ids.flat<Id>().data();
     // The numbering first: the outputs are sized by its count.
