@@ -297,6 +297,13 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         if self._trainers:
             checks.dense_options(self._dense_optimizers, sorted(self.table_trainers))
             checks.replicas(sorted(self.table_trainers))
+        # Every refusal before the first variable: a build that raises leaves the
+        # optimizer as it was, so building again (`fit` after a refused
+        # `optimizer.build`) creates each variable once.
+        for trainer in self._trainers.values():
+            trainer.check()
+        ids_per_step = (self._ids_per_step(model) if self.gradient_accumulation_steps
+                        else None)
         if self._installed:
             scaled = self.loss_scale_factor is not None or self.loss_scaling_wrapper is not None
             checks.install_options(sorted(v.path for v in self._installed.values()), scaled,
@@ -333,7 +340,7 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
                 self._accumulator = accumulation.Accumulator(self.gradient_accumulation_steps)
                 self._accumulator.build(
                     self, [v for v in var_list if self._var_key(v) in self._route],
-                    list(self._trainers.values()), self._ids_per_step(model), self._var_key)
+                    list(self._trainers.values()), ids_per_step, self._var_key)
         # Each new probe sits right after its table, where the layer's
         # variables (its one weight, then its state) put it in the model's
         # trainable_variables: stateless

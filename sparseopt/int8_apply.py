@@ -22,7 +22,7 @@ from keras import ops
 
 from sparseopt import backend, precision, quantization
 from sparseopt.row_grads import Distinct
-from sparseopt.sparse_apply import as_computed, write_whole_slots
+from sparseopt.sparse_apply import as_computed, whole_slot_values, write_whole_slots
 from sparseopt.updaters import hyperparameters, transforms
 
 # The stochastic-rounding stream of the table's codes (its slots use `1 + i`).
@@ -157,7 +157,7 @@ def _update_whole(updater, slots, rows, state, summed, count, finite, values, st
     specs = updater.whole_slots
     if not specs:
         return {}
-    old = {s.name: ops.cast(slots[s.name].value, "float32") for s in specs}
+    old = whole_slot_values(updater, slots)
     with hyperparameters.reading(updater, values):
         # The rows and gradients the rule will see (options applied first).
         seen, grads = transforms.before_rule(updater.transforms, rows, summed,

@@ -373,7 +373,7 @@ def _update_whole(updater, table, slots, names, distinct, finite, values, step):
     specs = updater.whole_slots
     if not specs:
         return {}
-    old = {s.name: ops.cast(slots[s.name].value, "float32") for s in specs}
+    old = whole_slot_values(updater, slots)
 
     def contributions(values_, uniq, summed):
         rows, state = _gathered(values_[0], dict(zip(names, values_[1:])), uniq)
@@ -386,6 +386,25 @@ def _update_whole(updater, table, slots, names, distinct, finite, values, step):
     sums = backend.sum_over_distinct_rows(
         contributions, [table.value] + [slots[n].value for n in names], distinct)
     return write_whole_slots(updater, slots, old, sums, table.shape[0], step, finite, values)
+
+
+def whole_slot_values(updater, slots):
+    """`{name: float32 value}` of the updater's whole slots as they are now, before the step.
+
+    Read explicitly (`convert_to_tensor`): on TensorFlow a Keras variable's
+    `.value` is the live `tf.Variable`, read only where an op uses it; a rule
+    that hands an old value on unchanged (Adafactor's `log_decay_before`)
+    would then be written with the value assigned a moment earlier in
+    `write_whole_slots`. Where the optimizer is built inside the traced step
+    (Keras' default on TF) the trace happened to read it early; built before
+    `fit`, it did not.
+
+    Args:
+        updater: the `Updater`.
+        slots: `{name: variable}`.
+    """
+    return {s.name: ops.cast(ops.convert_to_tensor(slots[s.name]), "float32")
+            for s in updater.whole_slots}
 
 
 def write_whole_slots(updater, slots, old, sums, num_rows, step, finite, values):

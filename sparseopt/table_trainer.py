@@ -101,6 +101,22 @@ class TableTrainer:
         """The table's path."""
         return self.table.path
 
+    def check(self):
+        """Raises if the table cannot be trained as configured, before any state exists.
+
+        `DispatchOptimizer.build` checks every table first, so that a refused
+        configuration leaves the optimizer unbuilt (nothing half created).
+        """
+        if self.vocabulary is not None and any(s.from_table is not None
+                                               for s in self.updater.slots):
+            raise ValueError(
+                f"Table '{self.table.path}': {type(self.updater).__name__}(lazy=False) keeps "
+                "statistics of the whole table's values, which an open vocabulary changes "
+                "outside the rule when it gives a row to a new id. Use lazy=True on a "
+                "DynamicEmbedding.")
+        if self.int8 is not None:
+            checks.int8_table(self.table.path, self.updater)
+
     def build(self, optimizer, workspace=True, index=0):
         """Creates the state with `optimizer.add_variable`, named after the table.
 
@@ -112,15 +128,7 @@ class TableTrainer:
                 stochastic rounding draws its own bits).
         """
         table, prefix = self.table, self.table.path.replace("/", "_")
-        if self.vocabulary is not None and any(s.from_table is not None
-                                               for s in self.updater.slots):
-            raise ValueError(
-                f"Table '{table.path}': {type(self.updater).__name__}(lazy=False) keeps "
-                "statistics of the whole table's values, which an open vocabulary changes "
-                "outside the rule when it gives a row to a new id. Use lazy=True on a "
-                "DynamicEmbedding.")
-        if self.int8 is not None:
-            checks.int8_table(table.path, self.updater)
+        self.check()
         self.rounding = precision.Rounding(self.storage.stochastic_rounding,
                                            self.storage.rounding_seed, index)
         for spec in self.updater.slots:

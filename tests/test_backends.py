@@ -170,6 +170,7 @@ def test_tensorflow_applies_its_own_kernel_where_the_rule_matches(mode):
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.function's tracing")
+@pytest.mark.keras_builds_optimizer
 def test_an_optimizer_built_before_fit_lets_tensorflow_trace_the_first_step_once():
     """docs/backends.md: built up front, the tables' state (and the wrapped Adam's) exists
     before the step is traced; built by Keras inside the trace (the control), the
@@ -195,6 +196,47 @@ def test_an_optimizer_built_before_fit_lets_tensorflow_trace_the_first_step_once
         return len(traced)
 
     assert (traces(True), traces(False)) == (1, 2)
+
+
+# One table per updater (its default), and Adafactor's whole-table form, whose state
+# hands old values on (`log_decay_before`): the cases a build could set up apart.
+BUILD_UPDATERS = ([entry(0.05, **entry.test_configs["default"])
+                   for entry in sparseopt.updaters.registry(shipped_only=True).values()]
+                  + [sparseopt.updaters.Adafactor(0.05, lazy=False)])
+
+
+@pytest.mark.keras_builds_optimizer
+def test_an_optimizer_built_before_fit_trains_exactly_as_one_built_by_fit():
+    """Built up front (docs/backends.md: one trace on TensorFlow) or by Keras inside the
+    first step: every table, its state and the dense layer end bit for bit the same.
+    (On TensorFlow, `variable.value` is the live variable: a rule's old whole-slot value
+    read after the step assigned it once made Adafactor(lazy=False) diverge here.)"""
+    n = len(BUILD_UPDATERS)
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 30, (48, 2 * n)).astype("int32")
+    y = rng.normal(size=(48, 1)).astype("float32")
+
+    def trained(build_first):
+        keras.backend.clear_session(free_memory=False)
+        keras.utils.set_random_seed(1)
+        ids = keras.Input((2 * n,), dtype="int32")
+        rows = [sparseopt.layers.SparseEmbedding(30, 4, updater=updater, name=f"t{i}")(
+            ids[:, 2 * i:2 * i + 2]) for i, updater in enumerate(BUILD_UPDATERS)]
+        flat = keras.layers.Flatten()(keras.layers.Concatenate()(rows))
+        model = keras.Model(ids, keras.layers.Dense(1, name="head")(flat))
+        model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam(0.01)),
+                      loss="mse")
+        if build_first:
+            model.optimizer.build(model.trainable_variables)
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        return ({v.path: to_np(v) for v in model.weights},
+                {v.path: to_np(v) for v in optimizer_state(model.optimizer)})
+
+    (weights, state), (weights_first, state_first) = trained(False), trained(True)
+    assert sorted(state) == sorted(state_first) and len(state) > 3 * n
+    for got, want in ((weights_first, weights), (state_first, state)):
+        for path in want:
+            np.testing.assert_array_equal(got[path], want[path], err_msg=path)
 
 
 def test_each_backend_provides_the_whole_contract_and_nothing_is_a_none_stub():

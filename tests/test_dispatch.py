@@ -11,6 +11,10 @@ from tests.conftest import to_np
 from tests.helpers import (OneHotEmbedding, batches, dot_loss, kinds, numpy_replay,
                            optimizer_state, registered_cases, table_model)
 
+# The dispatcher as Keras drives it by default: on TensorFlow the optimizer is built
+# inside the first traced step (tests/conftest.py builds it first elsewhere).
+pytestmark = pytest.mark.keras_builds_optimizer
+
 VOCAB, WIDTH, N_IDS, BATCH = 200, 4, 6, 8
 
 
@@ -191,11 +195,25 @@ def test_plain_keras_optimizer_is_refused_before_the_first_step():
 
 def test_gradient_accumulation_without_a_batch_to_size_its_buffers_is_refused_clearly():
     # (Accumulation itself: tests/test_gradient_accumulation.py.)
-    model, _ = table_model(VOCAB, WIDTH, N_IDS, sparseopt.updaters.Adagrad(0.1))
-    opt = sparseopt.DispatchOptimizer(keras.optimizers.Adam(gradient_accumulation_steps=4))
-    with pytest.raises(ValueError, match="gradient_accumulation_steps needs.*emb/embeddings"
-                                         ".*accumulation_ids_per_step"):
-        opt.build(model.trainable_variables)
+    # Refused before any state exists: then, as the message says, `fit` builds it, each
+    # variable once (the refused build had made every table's state first: saved, the
+    # optimizer then held two of each and its checkpoint matched no fresh optimizer's).
+    def variables_after_training(build_first):
+        keras.backend.clear_session(free_memory=False)
+        model, _ = table_model(VOCAB, WIDTH, N_IDS, sparseopt.updaters.Adagrad(0.1))
+        opt = sparseopt.DispatchOptimizer(keras.optimizers.Adam(gradient_accumulation_steps=4))
+        model.compile(optimizer=opt, loss=dot_loss)
+        if build_first:
+            before = list(opt.variables)
+            with pytest.raises(ValueError, match="gradient_accumulation_steps needs.*emb/"
+                                                 "embeddings.*accumulation_ids_per_step"):
+                opt.build(model.trainable_variables)
+            assert not opt.built and opt.variables == before
+        model.train_on_batch(np.zeros((BATCH, N_IDS), "int32"),
+                             np.zeros((BATCH, N_IDS, WIDTH), "float32"))
+        return [(v.path, tuple(v.shape)) for v in opt.variables]
+
+    assert variables_after_training(True) == variables_after_training(False)
 
 
 def test_shared_layer_looked_up_twice_in_one_step_is_summed_once():
