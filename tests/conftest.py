@@ -35,3 +35,40 @@ def pytest_report_header(config):
 
 def to_np(x):
     return np.asarray(keras.ops.convert_to_numpy(x), dtype=np.float64)
+
+
+def _built_before_the_step(method):
+    """`keras.Model.fit` / `train_on_batch` building the optimizer first, as a user can."""
+    def run(model, *args, **kwargs):
+        optimizer = getattr(model, "optimizer", None)
+        # Accumulation sizes its buffers from a batch seen, which an unbuilt
+        # model has not: Keras builds those optimizers (its default) in the step.
+        inner = getattr(optimizer, "inner_optimizer", optimizer)  # (loss scaling)
+        if (model.built and optimizer is not None and not optimizer.built
+                and not getattr(inner, "gradient_accumulation_steps", None)):
+            optimizer.build(model.trainable_variables)
+        return method(model, *args, **kwargs)
+    return run
+
+
+@pytest.fixture(autouse=True)
+def _optimizer_built_before_the_first_step(request, monkeypatch):
+    """On TensorFlow, `fit` and `train_on_batch` build the optimizer before the step.
+
+    Without a distribution strategy Keras builds it inside the first traced step,
+    so TensorFlow traces the step a second time once the variables exist (Keras'
+    own behavior, for dense models too); built first, as docs/backends.md shows,
+    one trace. Tracing dominates the TensorFlow session: building first took
+    tests/test_open_vocabulary.py there from 132 s to 86 s, the whole session
+    from 634 to 425 s (2 cores). Keras' default stays tested: tests marked
+    `keras_builds_optimizer` (all of tests/test_dispatch.py), accumulation (see
+    `_built_before_the_step`), child processes, and
+    `test_an_optimizer_built_before_fit_trains_exactly_as_one_built_by_fit`,
+    which holds both builds equal bit for bit for every updater.
+    """
+    if (keras.backend.backend() == "tensorflow"
+            and request.node.get_closest_marker("keras_builds_optimizer") is None):
+        for name in ("fit", "train_on_batch"):
+            monkeypatch.setattr(keras.Model, name,
+                                _built_before_the_step(getattr(keras.Model, name)))
+    yield
