@@ -395,9 +395,10 @@ def whole_slot_values(updater, slots):
     `.value` is the live `tf.Variable`, read only where an op uses it; a rule
     that hands an old value on unchanged (Adafactor's `log_decay_before`)
     would then be written with the value assigned a moment earlier in
-    `write_whole_slots`. Where the optimizer is built inside the traced step
-    (Keras' default on TF) the trace happened to read it early; built before
-    `fit`, it did not.
+    `write_whole_slots`. With the optimizer built inside the traced step
+    (Keras' default on TF) the reads came first, as meant; with it built
+    before `fit` they came after the writes (tests/test_backends.py holds
+    both builds equal).
 
     Args:
         updater: the `Updater`.
