@@ -120,6 +120,9 @@ class TableTrainer:
     def build(self, optimizer, workspace=True, index=0):
         """Creates the state with `optimizer.add_variable`, named after the table.
 
+        Call `check` first (`DispatchOptimizer.build` checks every table before
+        it builds any).
+
         Args:
             optimizer: the optimizer that owns the variables.
             workspace: whether to create the table's own dedup workspace;
@@ -128,7 +131,6 @@ class TableTrainer:
                 stochastic rounding draws its own bits).
         """
         table, prefix = self.table, self.table.path.replace("/", "_")
-        self.check()
         self.rounding = precision.Rounding(self.storage.stochastic_rounding,
                                            self.storage.rounding_seed, index)
         for spec in self.updater.slots:

@@ -3,7 +3,6 @@
 import pathlib
 import sys
 
-import keras
 import numpy as np
 import pytest
 
@@ -11,7 +10,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchma
 import report  # noqa: E402
 import run  # noqa: E402
 
-from tests.helpers import backend_kind, child_env  # noqa: E402
+from tests.helpers import child_env, kinds  # noqa: E402
 
 
 def slot(peer, rows, fw="jax"):
@@ -77,8 +76,10 @@ def test_quick_sizes_leave_size_bound_targets_open():
     assert {t["met"] for t in quick if "rows /" in t["target"] or "plain" in t["target"]} == {None}
 
 
-# `make test`: on JAX (the soak's default); `make test-all`: on both.
-@pytest.mark.parametrize("backend", backend_kind("jax"))
+# `make test`: on JAX (the soak's default), started from the TensorFlow session (the
+# sessions' times balanced); `make test-all`: on both.
+@pytest.mark.backend_independent
+@pytest.mark.parametrize("backend", kinds(["jax", "tensorflow"], ["jax"]))
 def test_soak_runs_end_to_end_and_judges_memory(tmp_path, backend):
     """A short soak run on this backend: samples, the verdict and the plot."""
     import json
@@ -92,9 +93,9 @@ def test_soak_runs_end_to_end_and_judges_memory(tmp_path, backend):
     # 7,000 steps and few compiles: at XLA's default flags, as the soak runs.
     proc = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "soak.py"), "--backends",
-         keras.backend.backend(), "--steps", "7000", "--rows", "2000", "--out", str(out),
+         backend, "--steps", "7000", "--rows", "2000", "--out", str(out),
          "--smoke"],
-        env=child_env(test_xla=False), capture_output=True, text=True,
+        env=child_env(backend, test_xla=False), capture_output=True, text=True,
         timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (result,) = json.loads(out.read_text())

@@ -52,7 +52,7 @@ def job():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("sharded")
-    scope = [] if THOROUGH else ["--layouts", "single", *QUICK, "--checks", *QUICK]
+    scope = [] if THOROUGH else ["--layouts", "single", *QUICK, "--checks", *QUICK, "--quick"]
     proc = subprocess.run([sys.executable, "-m", "tests.jobs.sharded_job", str(out),
                            "--reshard", *scope],
                           cwd=ROOT, env=_env(8), capture_output=True, text=True, timeout=600)
@@ -136,7 +136,11 @@ def test_whole_table_state_on_a_table_split_by_rows_trains_as_on_one_device(runs
         np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6, err_msg=key)
 
 
-@pytest.mark.parametrize("layout", ROWS)
+# `make test-all` only (the job's `--quick` leaves the run out): a row shard runs each
+# rule unchanged on its own rows; `make test` covers the sharded step with four
+# updaters (test_sharded_training_equals_one_device) and every kind of state
+# (int8, bfloat16, whole-table slots, an open vocabulary).
+@pytest.mark.parametrize("layout", kinds(["rows8", "rows2x4"], []))
 def test_every_registered_updater_trains_a_table_split_by_rows_as_on_one_device(runs, layout):
     """Each shipped updater (the registry: a new updater file is picked up), its
     default configuration on a table of its own, and Adam with Lookahead (whose
