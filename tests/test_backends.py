@@ -212,7 +212,7 @@ def test_an_optimizer_built_before_fit_trains_exactly_as_one_built_by_fit():
     """Built up front (docs/backends.md: one trace on TensorFlow) or by Keras inside the
     first step: every table, its state and the dense layer end bit for bit the same.
     (On TensorFlow, `variable.value` is the live variable: a rule's old whole-slot value
-    read after the step assigned it once made Adafactor(lazy=False) diverge here.)"""
+    read after the step assigned it once made Adafactor, lazy or not, diverge here.)"""
     n = len(BUILD_UPDATERS)
     rng = np.random.default_rng(3)
     x = rng.integers(0, 30, (48, 2 * n)).astype("int32")

@@ -81,7 +81,7 @@ def test_quick_sizes_leave_size_bound_targets_open():
 @pytest.mark.backend_independent
 @pytest.mark.parametrize("backend", kinds(["jax", "tensorflow"], ["jax"]))
 def test_soak_runs_end_to_end_and_judges_memory(tmp_path, backend):
-    """A short soak run on this backend: samples, the verdict and the plot."""
+    """A short soak run on `backend` (a child process): samples, the verdict and the plot."""
     import json
     import subprocess
 
