@@ -112,7 +112,15 @@ def optimizer_state(optimizer):
 # temporaries, collectives) compile it with the emitters a user's process
 # uses, so they see the program XLA builds by default (the same HLO, buffers
 # and aliasing as at XLA's defaults: only the LLVM level differs).
-XLA_PRODUCTION_FUSIONS = {"xla_cpu_use_fusion_emitters": True}
+def xla_production_options():
+    """The compile options of the checks that read a compiled program (see above).
+
+    XLA:CPU's emitter option on CPU; none on a GPU, whose compiler refuses
+    XLA:CPU's options (and `make test`'s flags do not apply there).
+    """
+    import jax
+
+    return {"xla_cpu_use_fusion_emitters": True} if jax.default_backend() == "cpu" else {}
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # `make test-all`: child jobs at their full scope too (see the Makefile).
@@ -136,6 +144,9 @@ def child_env(backend=None, test_xla=True, **extra):
     """
     backend = backend or keras.backend.backend()
     path = [ROOT] + ([os.path.join(ROOT, "tests", "jax_children")] if backend == "jax" else [])
+    # The session's own entries stay after ours (a Keras installed on a path
+    # of its own, as on a machine whose image already holds JAX).
+    path += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3",
                PYTHONPATH=os.pathsep.join(path))
     if not test_xla:

@@ -39,6 +39,8 @@ SPLIT = {"rows8": 8, "rows2x4": 4, "cols2x4": 4, "data8": 1}
 
 
 def _env(devices, **extra):
+    # Simulated CPU devices, also on a machine with one GPU (JAX would pick it).
+    extra.setdefault("JAX_PLATFORMS", "cpu")
     return child_env("jax", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
                      **extra)
 

@@ -51,7 +51,7 @@ from jax.experimental import multihost_utils
 
 import sparseopt
 from sparseopt.distribution import bytes_per_device, collectives, compile_train_step
-from tests.helpers import XLA_PRODUCTION_FUSIONS
+from tests.helpers import xla_production_options
 
 TABLES = {  # name: (rows, width, updater)
     "user": (4096, 8, lambda: sparseopt.updaters.Adagrad(0.1)),
@@ -184,7 +184,7 @@ def run(layout, out, x, y, init, checks=True):
     batch_x = {k: v[:BATCH] for k, v in x.items()}
     if layout != "single":  # what the step moves and holds (one device: nothing moves)
         compiled = compile_train_step(model, batch_x, y[:BATCH],
-                                      compiler_options=XLA_PRODUCTION_FUSIONS)
+                                      compiler_options=xla_production_options())
         memory = compiled.memory_analysis()
         report.update(
             collectives=[[c.kind, c.shapes, c.nbytes] for c in collectives(compiled.as_text())],
@@ -206,7 +206,7 @@ def run(layout, out, x, y, init, checks=True):
         big = build_model(layout, scale=8)
         big.optimizer.build(big.trainable_variables)
         big_step = compile_train_step(big, batch_x, y[:BATCH],
-                                      compiler_options=XLA_PRODUCTION_FUSIONS)
+                                      compiler_options=xla_production_options())
         report["collectives_8x_rows"] = [[c.kind, c.shapes, c.nbytes]
                                          for c in collectives(big_step.as_text())]
         report["temp_bytes_8x_rows"] = big_step.memory_analysis().temp_size_in_bytes
@@ -215,7 +215,7 @@ def run(layout, out, x, y, init, checks=True):
         everywhere = jax.sharding.NamedSharding(table.sharding.mesh,
                                                 jax.sharding.PartitionSpec())
         gathered = jax.jit(lambda t: t * 2, out_shardings=everywhere).lower(table).compile(
-            XLA_PRODUCTION_FUSIONS)
+            xla_production_options())
         report["control_collectives"] = [[c.kind, c.shapes, c.nbytes]
                                          for c in collectives(gathered.as_text())]
         # A table large enough that Keras creates it on its devices with a
@@ -331,7 +331,7 @@ def run_bfloat16(layout, out, dtype="bfloat16"):
             emb.embeddings, emb.embeddings_scale) for s in v.value.addressable_shards}))
         if layout != "single":
             step = compile_train_step(model, x[:BATCH], y[:BATCH],
-                                      compiler_options=XLA_PRODUCTION_FUSIONS)
+                                      compiler_options=xla_production_options())
             with open(os.path.join(out, f"{layout}_int8.json"), "w") as f:
                 json.dump([[c.kind, c.shapes, c.nbytes] for c in collectives(step.as_text())],
                           f)
@@ -499,7 +499,7 @@ def run_vocabulary(layout, out):
             m = vocabulary_model(VOCABULARY_CAPACITY * scale)
             m.optimizer.build(m.trainable_variables)
             step = compile_train_step(m, x[:BATCH], y[:BATCH],
-                                      compiler_options=XLA_PRODUCTION_FUSIONS)
+                                      compiler_options=xla_production_options())
             report[f"collectives_{scale}x"] = [[c.kind, c.shapes, c.nbytes]
                                                for c in collectives(step.as_text())]
     np.savez(os.path.join(out, f"{layout}_vocabulary.npz"), **saved)
