@@ -157,13 +157,12 @@ def estimate_gb(peer, tables, width, rule):
     rows = sum(r for r, _ in tables.values())
     table = rows * width * 4 / 1e9
     state = rows * state_bytes_per_row(rule, width) / 1e9
-    largest = max(r for r, _ in tables.values()) * width * 4 / 1e9
     framework = peer.split("-")[0]
     if peer == "keras-jax":
         # Table, dense gradient, Adagrad accumulator, and the update's temporaries.
         return PROCESS_GB["jax"] + 4 * table
     extra = {"jax": rows * 4 / 1e9,  # dedup workspace
-             "tensorflow": largest,  # TF copies each table's initial value in
+             "tensorflow": rows * 4 / 1e9,  # the same (tables drawn in blocks, in place)
              "torch": 0.0}[framework]
     return PROCESS_GB[framework] + table + state + extra
 

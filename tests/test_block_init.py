@@ -1,4 +1,9 @@
-"""Large tables are drawn block by block (JAX): right values, distinct blocks."""
+"""Large tables are drawn block by block: right values, distinct blocks, in place.
+
+JAX: the initializer writes the blocks into one preallocated array. TF: the
+table is created as zeros and the blocks written into the variable (TF
+copies whatever an initializer returns).
+"""
 
 import keras
 import numpy as np
@@ -8,9 +13,6 @@ import sparseopt
 from sparseopt import backend
 from sparseopt.layers import block_init
 from tests.conftest import to_np
-
-pytestmark = pytest.mark.skipif(not backend.FILLS_IN_BLOCKS,
-                                reason="TF draws tables whole (see block_init.py)")
 
 
 @pytest.fixture
@@ -56,3 +58,36 @@ def test_shape_dependent_and_small_tables_are_drawn_whole(small_blocks):
     want = keras.initializers.RandomUniform(seed=5)((6, 4))  # below MIN_ELEMENTS (64)
     got = block_init.blockwise(keras.initializers.RandomUniform(seed=5))((6, 4))
     np.testing.assert_array_equal(to_np(got), to_np(want))
+
+
+def test_each_block_is_its_own_draw_in_row_order(small_blocks):
+    init = keras.initializers.RandomNormal(stddev=0.3, seed=11)
+    t = table(seed=11, initializer=init)
+    for i, start in enumerate(range(0, 50, 7)):
+        rows = min(7, 50 - start)
+        want = block_init.for_block(init, i)((rows, 4), dtype="float32")
+        np.testing.assert_array_equal(t[start:start + rows], to_np(want))
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TF's variables")
+def test_tensorflow_writes_the_blocks_into_the_variable_it_created(small_blocks, monkeypatch):
+    """Created as zeros, then each block written in place (`write_rows`), eagerly; under a
+    `tf.distribute` strategy (mirrored copies) the table is drawn whole, as Keras does."""
+    import tensorflow as tf
+
+    writes = []
+    original = backend.write_rows
+    monkeypatch.setattr(backend, "write_rows",
+                        lambda variable, start, rows: (writes.append((start, rows.shape[0])),
+                                                       original(variable, start, rows)))
+    t = table(seed=3)
+    assert writes == [(start, min(7, 50 - start)) for start in range(0, 50, 7)]
+    assert len(np.unique(t)) == t.size
+
+    writes.clear()
+    with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+        assert not backend.fills_variables_in_blocks()
+        whole = table(seed=3, initializer=keras.initializers.RandomUniform(seed=3))
+    assert writes == []
+    np.testing.assert_array_equal(
+        whole, to_np(keras.initializers.RandomUniform(seed=3)((50, 4))))

@@ -116,4 +116,9 @@ CONTRACT = {
                        "(JAX); where not, it builds the blocks and joins them.",
     "fill_in_blocks": "`fill_in_blocks(make_block, shape, dtype, block_rows)`: an array built "
                       "block by block.",
+    "fills_variables_in_blocks": "`fills_variables_in_blocks()`: whether a variable created "
+                                 "now can be written block by block in place after it is "
+                                 "created (`write_rows`; TF, eager, outside a distribution "
+                                 "strategy); False on JAX, whose tables `fill_in_blocks` "
+                                 "builds.",
 }

@@ -368,6 +368,11 @@ def fill_in_blocks(make_block, shape, dtype, block_rows):
     return out
 
 
+def fills_variables_in_blocks():
+    """False: a table's initializer builds it in place (`fill_in_blocks`)."""
+    return False
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def _put_rows(out, block, start):
     return jax.lax.dynamic_update_slice_in_dim(out, block.astype(out.dtype), start, axis=0)

@@ -37,8 +37,9 @@ def tap(rows, probe, ids, on_backward, aux=None):
 PROBE_IS_WEIGHT = True
 
 
-# TF copies an initial value into its variable anyway: tables are drawn whole
-# (`sparseopt.layers.block_init` leaves their initializers as they are).
+# TF copies an initial value into its variable: an initializer cannot build a
+# table in place. Large tables are created as zeros and their blocks written
+# into the variable afterwards instead (`fills_variables_in_blocks`).
 FILLS_IN_BLOCKS = False
 
 
@@ -47,6 +48,16 @@ def fill_in_blocks(make_block, shape, dtype, block_rows):
     blocks = [make_block(i, (min(block_rows, shape[0] - start),) + tuple(shape[1:]))
               for i, start in enumerate(range(0, shape[0], block_rows))]
     return tf.cast(tf.concat(blocks, axis=0), dtype)
+
+
+def fills_variables_in_blocks():
+    """Whether a variable created now is a plain `tf.Variable` that `write_rows` fills in place.
+
+    Eager and outside any `tf.distribute` strategy: a mirrored variable's
+    copies are written through the strategy, and inside a trace the writes
+    would be ops of the traced function.
+    """
+    return tf.executing_eagerly() and not tf.distribute.has_strategy()
 
 # Dedup writes into a persistent int32 workspace, as on JAX (see
 # `sparseopt.backend.jax.dedup`), with one more entry that invalid ids write
@@ -480,7 +491,18 @@ def write_rows(variable, start, rows):
     """`variable[start:start + len(rows)] = rows`, in place, on this replica's copy."""
     var = local(variable)
     start = tf.cast(start, tf.int32)
-    var[start:start + tf.shape(rows)[0]].assign(tf.cast(rows, var.dtype))
+    rows = tf.cast(rows, var.dtype)
+    if isinstance(var, tf.distribute.DistributedValues):  # every copy, through the strategy
+        var[start:start + tf.shape(rows)[0]].assign(rows)
+        return
+    # The op on the handle: `var[a:b].assign(...)` first reads the variable,
+    # and the assign then copies the whole variable before writing, eager or
+    # traced (measured: 1 s per write into a 1.2 GB variable; 0.5 ms this way).
+    ndim = len(var.shape)
+    tf.raw_ops.ResourceStridedSliceAssign(
+        ref=var.handle, begin=tf.stack([start] + [0] * (ndim - 1)),
+        end=tf.stack([start + tf.shape(rows)[0]] + [0] * (ndim - 1)), strides=[1] * ndim,
+        value=rows, end_mask=sum(1 << axis for axis in range(1, ndim)))
 
 
 def at_least_zero(value, message):

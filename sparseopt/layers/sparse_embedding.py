@@ -6,7 +6,7 @@ from sparseopt import backend, compat
 from sparseopt import storage as storage_lib
 from sparseopt import updaters as updaters_lib
 from sparseopt.distribution import check_even_split
-from sparseopt.layers.block_init import blockwise
+from sparseopt.layers.block_init import add_table
 from sparseopt.int8_table import Int8Table
 from sparseopt.ops.lookup import PlainOptimizerGuard, SparseLookup, check_ids_dtype, layer_state
 
@@ -122,11 +122,10 @@ class SparseEmbedding(keras.layers.Layer):
                 written.constraint = PlainOptimizerGuard(self.name, self.embeddings.path)
                 written._sparseopt_bookkeeping_of = self._lookup
             return
-        self.embeddings = self.add_weight(
-            shape=shape,
-            # Large random tables are drawn in blocks: memory peaks at one
-            # table, not four (see block_init.py).
-            initializer=blockwise(self.embeddings_initializer),
+        # Large random tables are drawn in blocks: memory peaks at one table,
+        # not three or four (see block_init.py).
+        self.embeddings = add_table(
+            self.add_weight, shape, self.embeddings_initializer,
             name="embeddings",
             autocast=False,  # never cast the whole table; the lookup casts rows
         )
