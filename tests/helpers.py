@@ -122,6 +122,7 @@ def xla_production_options():
 
     return {"xla_cpu_use_fusion_emitters": True} if jax.default_backend() == "cpu" else {}
 
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # `make test-all`: child jobs at their full scope too (see the Makefile).
 THOROUGH = os.environ.get("SPARSEOPT_THOROUGH") == "1"

@@ -234,11 +234,9 @@ def test_compile_options_reach_the_compile_the_checks_read():
     """`compile_train_step(..., compiler_options=...)` applies them to that compile, whatever
     the process' XLA_FLAGS: XLA:CPU's two code emitters fuse the step differently,
     which is why the checks above pin the default one (`xla_production_options`)."""
-    import jax
-
     from sparseopt.distribution import compile_train_step
 
-    if jax.default_backend() != "cpu":
+    if not _on_jax_cpu():
         pytest.skip("the option is XLA:CPU's (on a GPU the checks pass no option)")
     model, _ = table_model(50, D, N_IDS, sparseopt.updaters.Adagrad(0.1))
     model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()), loss="mse")
