@@ -70,9 +70,9 @@ def child(layer, build, rows, width):
     done(model.optimizer.variables)
     report["optimizer"] = {"rss_mb": memory_mb("VmRSS:") - before,
                            "peak_mb": memory_mb("VmHWM:") - before}
-    ids = np.arange(1000, dtype="int32")  # a gather: drawn, not left at zero
+    first = np.arange(1000, dtype="int32")  # a gather: drawn, not left at zero
     report["first_rows_std"] = float(np.std(keras.ops.convert_to_numpy(
-        keras.ops.take(table.embeddings, ids, axis=0))))
+        keras.ops.take(table.embeddings, first, axis=0))))
     print(json.dumps(report), flush=True)
 
 

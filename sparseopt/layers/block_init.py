@@ -45,8 +45,7 @@ def add_table(add_weight, shape, initializer, **kwargs):
     if not _by_blocks(initializer, shape):
         return add_weight(shape=shape, initializer=initializer, **kwargs)
     if backend.FILLS_IN_BLOCKS:
-        return add_weight(shape=shape, initializer=_Blockwise(initializer, BLOCK_ROWS),
-                          **kwargs)
+        return add_weight(shape=shape, initializer=blockwise(initializer), **kwargs)
     if not backend.fills_variables_in_blocks():
         return add_weight(shape=shape, initializer=initializer, **kwargs)
     table = add_weight(shape=shape, initializer="zeros", **kwargs)
@@ -65,7 +64,7 @@ def _by_blocks(initializer, shape):
             and keras.distribution.distribution() is None)
 
 
-def blockwise(initializer, block_rows=BLOCK_ROWS):
+def blockwise(initializer, block_rows=None):
     """Returns `initializer` drawing large tables by blocks of rows, where it can.
 
     Applies to `RandomUniform`, `RandomNormal` and `TruncatedNormal` on a
@@ -77,11 +76,11 @@ def blockwise(initializer, block_rows=BLOCK_ROWS):
 
     Args:
         initializer: a Keras initializer instance.
-        block_rows: rows per block.
+        block_rows: rows per block (default `BLOCK_ROWS`, read when called).
     """
     if not isinstance(initializer, ELEMENTWISE) or not backend.FILLS_IN_BLOCKS:
         return initializer
-    return _Blockwise(initializer, block_rows)
+    return _Blockwise(initializer, block_rows or BLOCK_ROWS)
 
 
 class _Blockwise(keras.initializers.Initializer):
