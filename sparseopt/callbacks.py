@@ -10,6 +10,7 @@ import keras
 from keras import ops
 
 from sparseopt import compat
+from sparseopt.dispatch_optimizer import DispatchOptimizer
 from sparseopt.saving import check_one_process, fsync_path
 
 _DONE = re.compile(r"^backup-(\d{8})$")
@@ -154,11 +155,11 @@ class TableHealth(keras.callbacks.Callback):
         self._last = {}
 
     def _dispatch(self):
-        optimizer = getattr(self.model.optimizer, "inner_optimizer", self.model.optimizer)
-        if not hasattr(optimizer, "skipped_steps"):
+        try:
+            return DispatchOptimizer.of(self.model)
+        except ValueError:
             raise ValueError("TableHealth: the model's optimizer is not a "
-                             "sparseopt.DispatchOptimizer.")
-        return optimizer
+                             "sparseopt.DispatchOptimizer.") from None
 
     def on_epoch_begin(self, epoch, logs=None):
         self._steps = 0

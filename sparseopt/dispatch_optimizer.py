@@ -104,7 +104,13 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             kwargs["gradient_accumulation_steps"] = optimizer.gradient_accumulation_steps
             optimizer.gradient_accumulation_steps = None
         loss_scale_factor = kwargs.pop("loss_scale_factor", optimizer.loss_scale_factor)
+        # The rate the user gave: tables follow the wrapped rate in proportion
+        # to it (`learning_rate_scale`). Read now, not when built: a rate set
+        # between compile and fit, or by a callback before the first step
+        # (TensorFlow builds inside that step), is a change tables must see.
+        given_rate = _constant_rate(optimizer)
         super().__init__(learning_rate=0.0, name=name, **kwargs)
+        self._given_rate = given_rate
         self._default_optimizer = optimizer
         self._accumulator = None  # gradient accumulation's buffers, once built
         self.accumulation_ids_per_step = dict(accumulation_ids_per_step or {})
@@ -122,6 +128,33 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             self._add_dense_optimizer(value)
         # One loss scale for everything, as MultiOptimizer does.
         self.loss_scale_factor = loss_scale_factor
+
+    @staticmethod
+    def of(model_or_optimizer):
+        """The `DispatchOptimizer` that trains a model, through any loss-scaling wrapper.
+
+        Under `mixed_float16` Keras wraps the compiled optimizer in a
+        `keras.optimizers.LossScaleOptimizer`, so `model.optimizer` has no
+        `skipped_steps()`, `table_state()`, ...: this finds ours either way
+        (`model.optimizer.inner_optimizer` is the same object).
+
+        Args:
+            model_or_optimizer: a compiled `keras.Model`, a `DispatchOptimizer`,
+                or a `LossScaleOptimizer` wrapping one.
+
+        Raises:
+            ValueError: no `DispatchOptimizer` trains it.
+        """
+        optimizer = getattr(model_or_optimizer, "optimizer", model_or_optimizer)
+        if isinstance(model_or_optimizer, DispatchOptimizer):
+            optimizer = model_or_optimizer
+        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        if not isinstance(inner, DispatchOptimizer):
+            raise ValueError(
+                f"DispatchOptimizer.of: {model_or_optimizer!r} is not trained by a "
+                f"sparseopt.DispatchOptimizer (found {optimizer!r}). Compile with "
+                "`optimizer=sparseopt.DispatchOptimizer(<your Keras optimizer>)`.")
+        return inner
 
     # -- configuration shared with the wrapped optimizer --------------------
 
@@ -183,19 +216,30 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             model.jax_state_sync()
 
     def learning_rate_scale(self):
-        """The wrapped optimizer's learning rate now over its value when training began.
+        """The wrapped optimizer's learning rate now over the rate the user gave it.
 
         A table whose updater has `follow_learning_rate=True` (the default)
         trains at its own rate times this: a callback that halves the model's
-        rate halves the tables', one that sets it to 0 stops them. 1 where
-        the wrapped rate is a schedule (no callback can set it; each table
-        keeps its own schedule) or was 0 when training began.
+        rate halves the tables', one that sets it to 0 stops them, whether
+        the change comes before the optimizer is built or after. The rate
+        "given" is the wrapped optimizer's when the `DispatchOptimizer` was
+        constructed (kept in its state, so a resumed run keeps the
+        proportion). 1.0 where the wrapped rate is a schedule (no callback
+        can set it; each table keeps its own schedule) or was given as 0.
+
+        Returns:
+            A Python float, on every backend.
         """
+        return float(ops.convert_to_numpy(self._scale_of_rate()))
+
+    def _scale_of_rate(self):
+        """`learning_rate_scale()` as a float32 scalar tensor, read inside the step."""
         rate = self._default_optimizer.learning_rate
-        start = getattr(self, "_rate_at_start", None)
+        start = getattr(self, "_rate_at_start", None)  # (the saved copy, once built)
+        start = self._given_rate if start is None else start.value
         if start is None or not isinstance(rate, keras.Variable):
             return ops.ones((), "float32")
-        start = ops.cast(start.value, "float32")
+        start = ops.cast(start, "float32")
         now = ops.cast(rate.value, "float32")
         return ops.where(start > 0, now / ops.where(start > 0, start, 1.0), 1.0)
 
@@ -320,12 +364,10 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         grouped = {id(t) for g in groups for t in g.trainers}
         self._groups = groups
         with keras.name_scope(self.name, caller=self):
-            # The wrapped learning rate when training begins: tables follow
-            # it in proportion (`learning_rate_scale`); saved, so a resumed run
-            # keeps the proportion.
-            rate = self._default_optimizer.learning_rate
-            with backend.outside_trace():  # TF builds optimizers inside the traced step
-                start = float(rate.numpy()) if isinstance(rate, keras.Variable) else 0.0
+            # The wrapped learning rate the user gave (read at construction):
+            # tables follow it in proportion (`learning_rate_scale`); saved, so
+            # a resumed run keeps the proportion.
+            start = self._given_rate if self._given_rate is not None else 0.0
             self._rate_at_start = self.add_variable(
                 shape=(), dtype="float32", initializer=keras.initializers.Constant(start),
                 name="learning_rate_at_start")
@@ -553,7 +595,7 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             rows: `{id(TableTrainer): true RowGrads}`.
         """
         iteration = self.iterations
-        scale = self.learning_rate_scale() if self._trainers else None
+        scale = self._scale_of_rate() if self._trainers else None
         units, grouped = [], set()  # (TableGroup or TableTrainer, its step's rows)
         for group in self._groups:
             looked_up = [(t, rows[id(t)]) for t in group.trainers if id(t) in rows]
@@ -679,7 +721,7 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             return
         steps_done = self._steps_done()
         with backend.outside_trace():
-            scale = self.learning_rate_scale()
+            scale = self._scale_of_rate()
             for trainer in trainers:
                 trainer.catch_up(steps_done, scale)
 
@@ -698,7 +740,7 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             raise ValueError(f"DispatchOptimizer '{self.name}': table '{trainer.name}' keeps "
                              "no moving average; give its updater `ema_momentum`.")
         with backend.outside_trace():
-            return trainer.moving_average(self._steps_done(), self.learning_rate_scale())
+            return trainer.moving_average(self._steps_done(), self._scale_of_rate())
 
     def table_swa_average(self, table):
         """The stochastic weight average of a table whose updater has `swa_period` (a tensor).
@@ -727,7 +769,7 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         if averaged or swa:
             steps_done = self._steps_done()
             with backend.outside_trace():
-                scale = self.learning_rate_scale()
+                scale = self._scale_of_rate()
                 for trainer in averaged:
                     trainer.use_moving_average(steps_done, scale)
                 for trainer in swa:
@@ -758,3 +800,16 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             config["optimizer"], custom_objects=custom_objects
         )
         return cls(**config)
+
+
+def _constant_rate(optimizer):
+    """The constant learning rate of a Keras optimizer now (a float), or None for a schedule.
+
+    Args:
+        optimizer: a Keras optimizer.
+    """
+    rate = optimizer.learning_rate
+    if not isinstance(rate, keras.Variable):
+        return None
+    with backend.outside_trace():
+        return float(rate.numpy())  # (a mirrored variable's `.value` is per replica)

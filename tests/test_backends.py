@@ -170,7 +170,6 @@ def test_tensorflow_applies_its_own_kernel_where_the_rule_matches(mode):
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.function's tracing")
-@pytest.mark.keras_builds_optimizer
 def test_an_optimizer_built_before_fit_lets_tensorflow_trace_the_first_step_once():
     """docs/backends.md: built up front, the tables' state (and the wrapped Adam's) exists
     before the step is traced; built by Keras inside the trace (the control), the
@@ -207,7 +206,6 @@ BUILD_UPDATERS = ([entry(0.05, **entry.test_configs["default"])
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="on JAX Keras builds the optimizer "
                     "before tracing the step either way (`fit`'s symbolic build)")
-@pytest.mark.keras_builds_optimizer
 def test_an_optimizer_built_before_fit_trains_exactly_as_one_built_by_fit():
     """Built up front (docs/backends.md: one trace on TensorFlow) or by Keras inside the
     first step: every table, its state and the dense layer end bit for bit the same.

@@ -11,10 +11,6 @@ from tests.conftest import to_np
 from tests.helpers import (OneHotEmbedding, batches, dot_loss, kinds, numpy_replay,
                            optimizer_state, registered_cases, table_model)
 
-# The dispatcher as Keras drives it by default: on TensorFlow the optimizer is built
-# inside the first traced step (tests/conftest.py builds it first elsewhere).
-pytestmark = pytest.mark.keras_builds_optimizer
-
 VOCAB, WIDTH, N_IDS, BATCH = 200, 4, 6, 8
 
 

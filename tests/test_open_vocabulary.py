@@ -55,7 +55,7 @@ def map_state(layer):
 
 def reference_state(ref):
     rows = {r: ref.key[r] for r in range(ref.capacity) if ref.seen[r] >= 0}
-    return rows, np.array(ref.seen), ref.counts, ref.pending
+    return rows, np.array(ref.seen), ref.stats(), ref.pending
 
 
 # Each example compiles a new model (a few seconds on TF): 6 in `make test`, 60 in
@@ -84,7 +84,8 @@ def test_the_map_follows_a_plain_python_reference_step_by_step(
     options = dict(probes=probes, eviction=eviction, ttl=ttl, seed=seed,
                    admissions_per_step=admissions, placement_rounds=rounds,
                    admit_after=admit_after, count_capacity=count_capacity,
-                   lfu_half_life=half_life, default_row=default_row)
+                   lfu_half_life=half_life, default_row=default_row,
+                   tombstone_log=64)  # (deltas since any step of the run)
     model, layer = dynamic_model(capacity, **options)
     ref = ReferenceVocabulary(capacity, probes, eviction, ttl, seed, admissions, rounds,
                               admit_after, count_capacity, half_life)
@@ -101,8 +102,9 @@ def test_the_map_follows_a_plain_python_reference_step_by_step(
         np.testing.assert_array_equal(got[1], want[1])
         assert got[2] == want[2]
         assert got[3] == want[3]
-        # Rows holding an id (live, or expired and not reused yet), as written so far.
-        assert layer.vocabulary_stats()["held"] == int((got[1] >= 0).sum())
+        # Rows holding an id (live, or expired and not reused yet), the hand-over
+        # to the next call included.
+        assert layer.vocabulary_stats()["held"] == sum(s >= 0 for s in ref._next_view()[1])
         if eviction == "lfu":
             np.testing.assert_array_equal(to_np(layer.vocabulary.frequency.counts),
                                           ref.map.freq)
@@ -394,7 +396,7 @@ def test_admission_after_n_sightings_counts_every_occurrence():
     for ids in ([5, 5, 9], [5, 9, 1], [1, 1, 1], [0, 0, 0]):
         model.train_on_batch(np.array([ids], "int32"), y)
     assert sorted(layer.held_ids()) == [0, 1, 5]  # 0: handed over, written next call
-    assert layer.vocabulary_stats()["admitted"] == 2
+    assert layer.vocabulary_stats()["admitted"] == 3  # (the hand-over counted already)
     counted = layer.vocabulary.sightings
     live = to_np(counted.last_seen) >= 0
     waiting = sparseopt.vocabulary.join_int64(
@@ -462,7 +464,8 @@ def test_an_int8_open_vocabulary_keeps_the_float32_map_and_its_rows_within_a_cod
     rng = np.random.default_rng(3)
     xs = rng.choice(POOL, size=(8, BATCH, N_IDS)).astype("int32")
     ys = rng.normal(size=(8, BATCH, N_IDS, WIDTH)).astype("float32")
-    options = dict(probes=3, admit_after=2, default_row="trained", init="uniform")
+    options = dict(probes=3, admit_after=2, default_row="trained", init="uniform",
+                   tombstone_log=64)  # (deltas since step 0)
     runs = {}
     for dtype in (None, "int8"):
         keras.backend.clear_session(free_memory=False)
@@ -636,5 +639,62 @@ def test_what_open_vocabularies_do_not_support_yet_is_refused_naming_the_table()
     layer = sparseopt.layers.DynamicEmbedding(8, WIDTH, sparseopt.updaters.SGD(0.1), name="dyn")
     model = keras.Model(ids, keras.layers.Add()([layer(ids), layer(ids)]))
     model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()), loss=dot_loss)
-    with pytest.raises(ValueError, match="called 2 times in one training step.*one call"):
-        model.train_on_batch(np.zeros((1, N_IDS), "int32"), np.zeros((1, N_IDS, WIDTH)))
+    with pytest.raises(ValueError, match="Layer 'dyn' .*'dyn/embeddings'.* called 2 times in "
+                       "one training step.*one call"):
+        model.fit(np.zeros((1, N_IDS), "int32"), np.zeros((1, N_IDS, WIDTH)), verbose=0)
+
+
+@pytest.mark.parametrize("capacity", [0, -5, 2.5])
+def test_a_capacity_that_is_not_a_positive_int_is_refused_by_its_name(capacity):
+    with pytest.raises(ValueError, match="DynamicEmbedding 'dyn': `capacity` .* positive int"):
+        sparseopt.layers.DynamicEmbedding(capacity, WIDTH, sparseopt.updaters.SGD(0.1),
+                                          name="dyn")
+
+
+def test_float_ids_are_refused_never_merged_into_one_row():
+    """Raw ids 10**9 + k are distinct as integers; as float32 most of them round to
+    the same value, so a cast would give distinct ids one row (the control below)."""
+    raw = 10**9 + np.arange(300)
+    assert len(np.unique(raw.astype("float32"))) < 30  # what a silent cast would merge
+    layer = sparseopt.layers.DynamicEmbedding(512, WIDTH, sparseopt.updaters.SGD(0.1),
+                                              name="dyn")
+    with pytest.raises(TypeError, match="Layer 'dyn': ids for table 'dyn/embeddings' must "
+                       "be integers, got dtype float32"):
+        layer(keras.Input((N_IDS,), dtype="float32"))
+    with pytest.raises(TypeError, match="must be integers"):
+        layer(raw.astype("float32").reshape(-1, N_IDS))
+    # As integers the same ids train 300 rows of their own, on the path users take.
+    model, layer = dynamic_model(4096, n_ids=1, init="uniform")
+    model.fit(raw.reshape(-1, 1).astype("int32"), np.ones((300, 1, WIDTH)), batch_size=50,
+              verbose=0, shuffle=False)
+    assert len(layer.held_ids()) == 300
+
+
+def test_stats_read_right_after_fit_count_the_last_steps_admissions():
+    """The last step's admissions are written into the map by the next call; the totals
+    count them already (inference counts nothing, so an `evaluate` changes none)."""
+    model, layer = dynamic_model(1024, n_ids=1)
+    ids = np.arange(40, dtype="int32").reshape(-1, 1) * 7919
+    model.fit(ids, np.ones((40, 1, WIDTH)), batch_size=8, shuffle=False, verbose=0)
+    after_fit = layer.vocabulary_stats()
+    assert after_fit["admitted"] == len(layer.held_ids()) == 40
+    model.evaluate(ids, np.ones((40, 1, WIDTH)), batch_size=8, verbose=0)
+    assert layer.vocabulary_stats() == after_fit
+
+
+def test_the_summary_counts_the_table_and_the_defaults_are_sized_to_it():
+    """`model.summary()`: the layer's Param # is its table (as Keras' Embedding); the
+    map's bookkeeping is non-trainable, sized to the table, the same on both backends:
+    keys 2V + last seen V + tombstones 3V + the step, 7 running totals (int32 pairs)
+    and the tombstones' cursor and wrap flag."""
+    ids = keras.Input((N_IDS,), dtype="int32")
+    layer = sparseopt.layers.DynamicEmbedding(256, 8, sparseopt.updaters.SGD(0.1), name="dyn")
+    model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(layer(ids))))
+    printed = []
+    model.summary(print_fn=printed.append)
+    assert layer.count_params() == 256 * 8
+    assert "2,048" in "".join(printed)
+    assert sum(int(np.prod(w.shape)) for w in model.non_trainable_weights) == 6 * 256 + 17
+    assert layer.vocabulary.tombstones.size == 256
+    big = sparseopt.layers.DynamicEmbedding(10**6, 8, sparseopt.updaters.SGD(0.1))
+    assert big.vocabulary.tombstones.size == 65536

@@ -288,3 +288,59 @@ def test_a_checkpoint_that_kept_the_unread_moment_still_loads():
     np.testing.assert_array_equal(
         to_np(again.optimizer.table_state(emb2.embeddings)["velocity"]), velocity)
     assert int(to_np(again.optimizer.iterations)) == STEPS
+
+
+# A change a user makes before the optimizer is built (between compile and fit:
+# Keras builds it inside `fit`, on TensorFlow inside the first traced step) and
+# the same change after it is built (between two fits). Each is held against the
+# NumPy rule replayed with the rate and hyperparameters in force at each step.
+# SGD with momentum: a rule with state, whose hyperparameter may change.
+CHANGES = {
+    # control: (what it does to the model, callbacks for the fits it applies to,
+    #           table rate after it, updater config after it)
+    "rate_assignment": (lambda model, updater: setattr(model.optimizer, "learning_rate", 0.05),
+                        None, 0.25, {}),
+    "rate_to_zero": (lambda model, updater: setattr(model.optimizer, "learning_rate", 0.0),
+                     None, 0.0, {}),
+    "rate_scheduler": (None, lambda: [keras.callbacks.LearningRateScheduler(
+        lambda epoch, lr: 0.05)], 0.25, {}),
+    "updater_rate": (lambda model, updater: setattr(updater, "learning_rate", 0.2),
+                     None, 0.2, {}),
+    "updater_hyperparameter": (lambda model, updater: setattr(updater, "momentum", 0.25),
+                               None, 0.5, {"momentum": 0.25}),
+}
+
+
+@pytest.mark.parametrize("when", ["before_build", "after_build"])
+@pytest.mark.parametrize("control", sorted(CHANGES))
+def test_a_change_reaches_the_tables_made_before_the_build_or_after_it(control, when):
+    """The reference rate is the one the user gave (`SGD(0.1)` here): a rate set
+    before the build is a change like any other, on both backends."""
+    change, callbacks, rate_after, cfg_after = CHANGES[control]
+    xs, ys = _data(11)
+    updater = sparseopt.updaters.SGD(0.5, momentum=0.5)
+    model, emb = table_model(VOCAB, WIDTH, N_IDS, updater)
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)),
+                  loss=dot_loss)
+    table0 = to_np(emb.embeddings)
+    if when == "after_build":  # one epoch first: the optimizer is built by it
+        _fit(model, xs, ys)
+        assert model.optimizer.built
+    else:
+        assert not model.optimizer.built
+    if change is not None:
+        change(model, updater)
+    _fit(model, xs, ys, callbacks=callbacks() if callbacks else ())
+    steps = 2 * STEPS if when == "after_build" else STEPS
+    changed_from = STEPS if when == "after_build" else 0
+    table = np.asarray(table0, np.float64)
+    cfg0 = {"momentum": 0.5}
+    state = reference.initial_state("SGD", table.shape, cfg0)
+    for t in range(steps):
+        x, y = xs[t % STEPS], ys[t % STEPS]
+        lr, cfg = (0.5, cfg0) if t < changed_from else (rate_after, {**cfg0, **cfg_after})
+        table, state = reference.sparse_step("SGD", table, state, x, y / BATCH, lr, cfg,
+                                             step=t + 1)
+    np.testing.assert_allclose(to_np(emb.embeddings), table, rtol=1e-5, atol=1e-6)
+    if control.startswith("rate"):
+        assert model.optimizer.learning_rate_scale() == pytest.approx(rate_after / 0.5)

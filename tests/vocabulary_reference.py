@@ -138,6 +138,17 @@ class ReferenceVocabulary:
         gone = {k for k, step in self.lost + lost if step > since} - set(held)
         return changed, gone
 
+    def stats(self):
+        """The running totals as read between steps: the last step's hand-over counted
+        (as the next call's `_commit` will count it)."""
+        out = dict(self.counts)
+        for _, row, step, evicted in self.pending:
+            if self.map.seen[row] < step:  # (not written by an earlier call already)
+                out["admitted"] += 1
+                out["evicted"] += int(evicted)
+                out["reclaimed"] += int(self.map.seen[row] >= 0 and not evicted)
+        return out
+
     def _commit(self):
         for key, row, step, evicted in self.pending:
             if self.map.seen[row] >= step:

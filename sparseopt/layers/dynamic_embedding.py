@@ -5,7 +5,7 @@ from keras import ops
 
 from sparseopt import backend, distribution
 from sparseopt.layers.sparse_embedding import SparseEmbedding
-from sparseopt.ops.lookup import PlainOptimizerGuard, layer_state
+from sparseopt.ops.lookup import PlainOptimizerGuard, check_ids_dtype, layer_state
 from sparseopt.vocabulary import keys as keys_lib
 from sparseopt.vocabulary import new_rows
 from sparseopt.vocabulary.open_vocabulary import OpenVocabulary
@@ -78,6 +78,12 @@ class DynamicEmbedding(SparseEmbedding):
             raise ValueError(f"DynamicEmbedding '{kwargs.get('name', '')}': `default_row` must "
                              f"be one of {DEFAULT_ROWS}, got {default_row!r}.")
         self.default_row = default_row
+        if isinstance(capacity, bool) or int(capacity) != capacity or capacity <= 0:
+            raise ValueError(f"DynamicEmbedding '{kwargs.get('name', '')}': `capacity` (the "
+                             f"rows ids can hold) must be a positive int, got {capacity!r}.")
+        if int(output_dim) <= 0:
+            raise ValueError(f"DynamicEmbedding '{kwargs.get('name', '')}': `output_dim` "
+                             f"must be positive, got {output_dim!r}.")
         self._capacity = int(capacity)
         # A trained default row is the table's last row, past every row the map gives.
         rows = self._capacity + (default_row == "trained")
@@ -118,11 +124,11 @@ class DynamicEmbedding(SparseEmbedding):
             written.constraint = PlainOptimizerGuard(self.name, self.embeddings.path)
             written._sparseopt_bookkeeping_of = self._lookup
 
-    def _add_state(self, name, shape, dtype, initial, trainable, rows=False):
+    def _add_state(self, name, shape, dtype, initial, trainable, rows=False, weight=True):
         init = keras.initializers.Constant(initial)
-        if trainable:
+        if trainable or not weight:
             # State, not a weight: written by the optimizer, never trained.
-            return layer_state(self, name, dtype, True, shape=shape, initializer=init)
+            return layer_state(self, name, dtype, trainable, shape=shape, initializer=init)
         layout = distribution.rows_like(self.embeddings, len(shape)) if rows else None
         parts = distribution.row_parts(layout)
         if rows and shape[0] % parts:  # (only the sightings map has a size of its own)
@@ -145,6 +151,10 @@ class DynamicEmbedding(SparseEmbedding):
         # Every feature's ids meet the map together: one step's admissions
         # are chosen once, over all of them (a table shared by features).
         features = keras.tree.flatten(ids)
+        for feature in features:
+            # A float id would be cast to int32 below: raw ids float32 cannot
+            # tell apart (above 2**24) would silently share a row.
+            check_ids_dtype(feature, self.name, self.embeddings.path)
         parts = [keys_lib.halves(f, self.key_halves) for f in features]
         sizes = [ops.shape(high)[0] for high, _ in parts]
         high = ops.concatenate([h for h, _ in parts], axis=0) if len(parts) > 1 else parts[0][0]
@@ -173,6 +183,7 @@ class DynamicEmbedding(SparseEmbedding):
 
     def compute_output_spec(self, ids, training=None):
         for feature in keras.tree.flatten(ids):
+            check_ids_dtype(feature, self.name, self.embeddings.path)
             if (not self.key_halves and "int64" in str(feature.dtype)
                     and not backend.has_int64()):
                 # JAX would keep each id's low half: distinct ids would become one.

@@ -1,6 +1,7 @@
 """`SparseEmbedding`: an embedding table trained by its own sparse updater."""
 
 import keras
+import numpy as np
 
 from sparseopt import backend, compat
 from sparseopt import storage as storage_lib
@@ -86,7 +87,7 @@ class SparseEmbedding(keras.layers.Layer):
         super().__init__(**kwargs)
         if int(input_dim) <= 0 or int(output_dim) <= 0:
             raise ValueError(
-                f"SparseEmbedding '{self.name}': `input_dim` and `output_dim` must "
+                f"{type(self).__name__} '{self.name}': `input_dim` and `output_dim` must "
                 f"be positive, got {input_dim} and {output_dim}."
             )
         if combiner not in COMBINERS:
@@ -157,6 +158,21 @@ class SparseEmbedding(keras.layers.Layer):
     def compute_output_spec(self, ids):
         check_ids_dtype(ids, self.name, self.embeddings.path)
         return keras.KerasTensor(self.compute_output_shape(ids.shape), dtype=self.compute_dtype)
+
+    def count_params(self):
+        """The table's parameters (rows x width; an int8 table's codes and row scales).
+
+        What `model.summary()` shows for the layer, as for Keras' `Embedding`,
+        the same on every backend. Bookkeeping is not counted here: the
+        lookup's probe (a weight on TensorFlow only) and an open vocabulary's
+        id map (non-trainable weights, in the summary's "Non-trainable
+        params").
+        """
+        if not self.built:
+            return super().count_params()  # (Keras' error for an unbuilt layer)
+        table = [self.embeddings] if self.int8 is None else [self.embeddings,
+                                                              self.embeddings_scale]
+        return int(sum(np.prod(v.shape) for v in table))
 
     def save_own_variables(self, store):
         """Saves what `keras.layers.Embedding` saves: the table only.

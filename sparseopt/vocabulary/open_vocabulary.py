@@ -117,7 +117,8 @@ class OpenVocabulary:
             (`sightings.SightingCounts`, 16 bytes an entry).
         count_capacity: that map's entries (None: `capacity`).
         tombstone_log: how many replaced ids are kept for `delta` (None:
-            65,536, or `admissions_per_step` if more; 12 bytes each).
+            `capacity` up to 65,536, or one step's admissions if more; 12
+            bytes each).
         eviction: `"lru"`: an id whose window has no free row takes the row
             seen longest ago (never one seen in this step); `"lfu"`: the row
             whose id was looked up least often (`frequency.Frequencies`:
@@ -157,11 +158,16 @@ class OpenVocabulary:
         if int(admit_after) < 1 or (count_capacity is not None and int(count_capacity) < 1):
             raise ValueError("OpenVocabulary: `admit_after` and `count_capacity` must be at "
                              f"least 1, got {admit_after} and {count_capacity}.")
-        tombstone_log = (max(DEFAULT_TOMBSTONE_LOG, int(admissions_per_step))
+        # A step replaces at most this many ids (each in a row of its own).
+        per_step = min(int(admissions_per_step), int(capacity))
+        # Sized to the table: past `capacity` replacements since a serving
+        # copy's last delta, exporting the whole map costs no more.
+        tombstone_log = (max(min(DEFAULT_TOMBSTONE_LOG, int(capacity)), per_step)
                          if tombstone_log is None else int(tombstone_log))
-        if tombstone_log < int(admissions_per_step):
+        if tombstone_log < per_step:
             raise ValueError(f"OpenVocabulary: `tombstone_log` ({tombstone_log}) must hold at "
-                             f"least one step's admissions ({admissions_per_step}).")
+                             f"least one step's admissions ({per_step}: `admissions_per_step`, "
+                             "or `capacity` if smaller).")
         if int(lfu_half_life) < 1:
             raise ValueError(f"OpenVocabulary: `lfu_half_life` must be at least 1, got "
                              f"{lfu_half_life}.")
@@ -202,8 +208,9 @@ class OpenVocabulary:
             initializer: the table's initializer (rows given to new ids are
                 drawn from it, `new_rows`).
             add_state: `add_state(name, shape, dtype, initial, trainable,
-                rows=False)`, which creates a variable of the layer (`rows`:
-                indexed by the table's rows, and split like them).
+                rows=False, weight=True)`, which creates a variable of the
+                layer (`rows`: indexed by the table's rows, and split like
+                them; `weight=False`: state, not one of the layer's weights).
         """
         self.initializer = initializer
         v = self.capacity
@@ -215,11 +222,13 @@ class OpenVocabulary:
         self.counts = add_state("vocabulary_counts", (len(COUNTS), 2), "int32", 0, False)
         # Written by the optimizer's step: trainable where only trainable
         # variables can be (JAX); never trained (its gradient is ignored).
+        # Not weights, on either backend (the step's hand-over, not the map):
+        # the layer's weights, and so `model.summary()`, are the same on both.
         self.pending = add_state("vocabulary_pending",
                                  (self.admissions_per_step, pending.FIELDS), "float32", 0.0,
-                                 not backend.STATEFUL_APPLY)
+                                 not backend.STATEFUL_APPLY, weight=False)
         self.cycle_start = add_state("vocabulary_cycle_start", (2,), "float32", 0.0,
-                                     not backend.STATEFUL_APPLY)
+                                     not backend.STATEFUL_APPLY, weight=False)
         self.tombstones.build(add_state)
         if self.frequency is not None:
             self.frequency.build(v, add_state)
@@ -417,13 +426,32 @@ class OpenVocabulary:
     # -- reading it -----------------------------------------------------------
 
     def stats(self):
-        """`{name: int}`: the running totals (`COUNTS`), `held` (rows holding an id, or an
-        expired one whose row is not reused yet) and
+        """`{name: int}`: the running totals (`COUNTS`, the last step's admissions
+        included), `held` (rows holding an id, or an expired one whose row is not
+        reused yet, as the next lookup sees them) and
         `mean_probe_length` (rows read into its window per id found, 1 at its home row)."""
         out = dict(zip(COUNTS, counters.read(self.counts)))
+        # The last step's hand-over is counted when the next call writes it
+        # (`_write_pending`); counted here too, as that call will, so totals
+        # read right after `fit` are whole (once written, it adds nothing).
+        for name, amount in self._hand_over_counts().items():
+            out[name] += amount
         out["held"] = out["admitted"] - out["evicted"] - out["reclaimed"]
         out["mean_probe_length"] = out["probe_length"] / max(out["found"], 1)
         return out
+
+    def _hand_over_counts(self):
+        """`{name: int}`: what writing the hand-over in `pending` would add to the
+        totals (`_write_pending`'s counts, in NumPy; reads its rows of the map only)."""
+        high, low, rows, step, evicted, valid, _ = (np.asarray(ops.convert_to_numpy(x))
+                                                    for x in pending.decode(self.pending.value))
+        safe = np.where(valid, rows, 0)
+        held = np.asarray(ops.convert_to_numpy(ops.take(self.keys.value, safe, axis=0)))
+        seen = np.asarray(ops.convert_to_numpy(ops.take(self.last_seen.value, safe, axis=0)))
+        first = valid & (seen < step)
+        had = first & (seen >= 0)
+        return {"admitted": int(first.sum()), "evicted": int((first & evicted).sum()),
+                "reclaimed": int((had & ~evicted).sum())}
 
     def _as_next_lookup_sees_it(self):
         """NumPy `(keys [V, 2], last_seen [V], step, hand-over)`: the map with the last

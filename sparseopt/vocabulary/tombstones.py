@@ -18,7 +18,8 @@ class TombstoneLog:
     """A ring of the ids replaced in the map, with their steps.
 
     Args:
-        size: entries kept (at least the vocabulary's `admissions_per_step`,
+        size: entries kept (at least one step's admissions: the
+            vocabulary's `admissions_per_step`, or its capacity if smaller,
             so one step never wraps onto itself).
     """
 
