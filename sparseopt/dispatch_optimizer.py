@@ -189,6 +189,25 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         self.__dict__["_accumulation_steps"] = value
 
     @property
+    def global_clipnorm(self):
+        """One norm over the dense gradients and the tables' rows (`sparseopt.clipping`).
+
+        May be set until the optimizer is built (between `compile` and `fit`
+        too); the step reads it when traced, so a later change is refused
+        rather than silently ignored.
+        """
+        return self.__dict__.get("_global_clipnorm")
+
+    @global_clipnorm.setter
+    def global_clipnorm(self, value):
+        if getattr(self, "built", False) and value != self.__dict__.get("_global_clipnorm"):
+            raise ValueError(
+                "DispatchOptimizer: `global_clipnorm` cannot change once the optimizer is "
+                "built (its traced step has read it). Set it before the first `fit` (or "
+                "build), or compile again with a new DispatchOptimizer.")
+        self.__dict__["_global_clipnorm"] = value
+
+    @property
     def learning_rate(self):
         """The wrapped optimizer's learning rate: what Keras' callbacks read and set.
 

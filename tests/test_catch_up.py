@@ -135,6 +135,7 @@ def test_the_per_row_record_is_4_bytes_a_row_of_int32_state():
                               sparseopt.layers.SparseEmbedding(1000, 8, updater=updater,
                                                                name="emb")])
     model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()), loss="mse")
+    # Built first (a shortcut, not the users' path): reads the state's shapes without training.
     model.optimizer.build(model.trainable_variables)
     state = model.optimizer.table_state(model.get_layer("emb").embeddings)
     assert {k: (tuple(v.shape), str(v.dtype)) for k, v in state.items()} == {

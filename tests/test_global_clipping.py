@@ -73,11 +73,20 @@ def _sparse(x, y, make_optimizer, start, pooled=False):
     return {k: to_np(v) for k, v in _named(model).items()}
 
 
+def _with(optimizer, **attributes):
+    for name, value in attributes.items():
+        setattr(optimizer, name, value)
+    return optimizer
+
+
 WAYS = {
     "argument": lambda: sparseopt.DispatchOptimizer(keras.optimizers.SGD(LR),
                                                     global_clipnorm=CLIP),
     "wrapped": lambda: sparseopt.DispatchOptimizer(keras.optimizers.SGD(LR,
                                                                         global_clipnorm=CLIP)),
+    # Set between compile and fit (Keras builds the optimizer inside `fit`).
+    "set_before_build": lambda: _with(sparseopt.DispatchOptimizer(keras.optimizers.SGD(LR)),
+                                      global_clipnorm=CLIP),
     "loss_scaled": lambda: keras.optimizers.LossScaleOptimizer(
         sparseopt.DispatchOptimizer(keras.optimizers.SGD(LR), global_clipnorm=CLIP),
         initial_scale=64.0),
@@ -135,3 +144,13 @@ def test_the_setting_round_trips_and_conflicts_are_refused():
     with pytest.raises(ValueError, match="global_clipnorm=1.0 and the wrapped.*0.05 differ"):
         sparseopt.DispatchOptimizer(keras.optimizers.SGD(global_clipnorm=CLIP),
                                     global_clipnorm=1.0)
+
+
+def test_a_global_clipnorm_set_once_built_is_refused_not_ignored():
+    x, y = _data(3)
+    model = _model(sparseopt.layers.SparseEmbedding(VOCAB, WIDTH, sparseopt.updaters.SGD(LR)))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(LR)), loss="mse")
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+    with pytest.raises(ValueError, match="`global_clipnorm` cannot change once the optimizer"):
+        model.optimizer.global_clipnorm = CLIP
+    assert model.optimizer.global_clipnorm is None

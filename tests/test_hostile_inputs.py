@@ -37,6 +37,7 @@ def compiled(updater, n_ids, mode, optimizer=None, id_dtype="int32"):
     model = keras.Model(ids, emb(ids))
     model.compile(optimizer=optimizer or sparseopt.DispatchOptimizer(keras.optimizers.SGD()),
                   loss=dot_loss, **MODES[mode])
+    # Built first (a shortcut, not the users' path): the state is snapshotted before the first step.
     model.optimizer.build(model.trainable_variables)
     return model, emb
 
@@ -152,6 +153,7 @@ def test_empty_batches_and_all_padding_bags_change_nothing(mode):
     model = keras.Model(ids, keras.layers.Dense(1)(emb(ids)))
     model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam()), loss="mse",
                   **MODES[mode])
+    # Built first (a shortcut, not the users' path): the state is snapshotted before the first step.
     model.optimizer.build(model.trainable_variables)
     before = snapshot(model, emb)
     # A bag of padding only: the mean is 0 (not 0/0), nothing is written.
@@ -326,12 +328,14 @@ def test_unsupported_option_is_refused_with_what_to_change(case):
 def test_checkpoint_of_a_different_optimizer_is_an_error_not_a_partial_load(tmp_path):
     model, _ = table_model(VOCAB, WIDTH, 3, sparseopt.updaters.Ftrl(0.1))
     model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam()), loss=dot_loss)
+    # Built first (a shortcut, not the users' path): saves an untrained optimizer's state.
     model.optimizer.build(model.trainable_variables)
     path = str(tmp_path / "ftrl.weights.h5")
     model.save_weights(path)
     keras.backend.clear_session(free_memory=False)
     other, _ = table_model(VOCAB, WIDTH, 3, sparseopt.updaters.SGD(0.1))
     other.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam()), loss=dot_loss)
+    # Built first (a shortcut, not the users' path): loads into a built optimizer.
     other.optimizer.build(other.trainable_variables)
     with pytest.raises(ValueError, match="does not match this optimizer.*compile it exactly"):
         other.load_weights(path)

@@ -240,6 +240,7 @@ def test_compile_options_reach_the_compile_the_checks_read():
         pytest.skip("the option is XLA:CPU's (on a GPU the checks pass no option)")
     model, _ = table_model(50, D, N_IDS, sparseopt.updaters.Adagrad(0.1))
     model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()), loss="mse")
+    # Built first (a shortcut, not the users' path): compiles the step by hand, as Keras would after its build.
     model.optimizer.build(model.trainable_variables)
     x = np.random.default_rng(0).integers(0, 50, (8, N_IDS)).astype("int32")
     y = np.zeros((8, N_IDS, D), "float32")

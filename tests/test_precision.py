@@ -130,6 +130,7 @@ def test_state_is_float32_whatever_the_table_dtype(dtype, updater, slots):
     model, emb = table_model(32, 8, 2, updater(), dtype=dtype)
     model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()),
                   loss=dot_loss)
+    # Built first (a shortcut, not the users' path): reads the state's dtypes without training.
     model.optimizer.build(model.trainable_variables)
     assert emb.embeddings.dtype == dtype
     state = model.optimizer.table_state(emb.embeddings)
@@ -296,6 +297,7 @@ def test_table_storage_is_checked_saved_with_its_layer_and_refuses_a_disagreeing
         model, emb = table_model(10, 4, 2, updater, dtype="bfloat16", storage=storage)
         model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()),
                       loss=dot_loss)
+        # Built first (a shortcut, not the users' path): reads the state's dtypes without training.
         model.optimizer.build(model.trainable_variables)
         return model.optimizer.table_state(emb.embeddings)["accumulator"]
 

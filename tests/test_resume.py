@@ -141,6 +141,7 @@ def _loads(path, want_path, kind):
         else:
             model = train_job.build_model()
             model.load_weights(path)
+            # Built first (a shortcut, not the users' path): the pending checkpoint is assigned by this build (the user's way to check it).
             model.optimizer.build(model.trainable_variables)
     except Exception:
         return False

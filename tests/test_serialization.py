@@ -123,6 +123,7 @@ def test_checkpoints_hold_state_only_not_the_dedup_workspace():
     """JAX's dedup scratch is never saved: checkpoints match across backends."""
     model, _ = table_model(50, 4, 3, sparseopt.updaters.Ftrl(0.1))
     model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam()), loss=dot_loss)
+    # Built first (a shortcut, not the users' path): saves an untrained optimizer's state.
     model.optimizer.build(model.trainable_variables)
     store = {}
     model.optimizer.save_own_variables(store)
@@ -141,6 +142,7 @@ def test_wrapped_optimizer_is_saved_once_and_loads_before_build_without_warnings
 
     model, _ = table_model(50, 4, 3, sparseopt.updaters.Adagrad(0.1))
     model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam()), loss=dot_loss)
+    # Built first (a shortcut, not the users' path): saves an untrained optimizer's state.
     model.optimizer.build(model.trainable_variables)
     path = str(tmp_path / "w.weights.h5")
     model.save_weights(path)

@@ -104,6 +104,7 @@ def test_swa_settings_are_checked_and_saved():
     model, emb = table_model(VOCAB, WIDTH, N_IDS, sparseopt.updaters.Adam(0.1))
     model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)),
                   loss=dot_loss)
+    # Built first (a shortcut, not the users' path): asks a built optimizer, without training.
     model.optimizer.build(model.trainable_variables)
     with pytest.raises(ValueError, match="keeps no weight average; give its updater"):
         model.optimizer.table_swa_average(emb.embeddings)

@@ -157,6 +157,7 @@ def test_values_that_decide_the_step_are_refused_once_built_naming_the_table():
         model, _ = table_model(VOCAB, WIDTH, N_IDS, updater)
         model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()),
                       loss=dot_loss)
+        # Built first (a shortcut, not the users' path): the refusals come from a built optimizer.
         model.optimizer.build(model.trainable_variables)
         before = updater.get_config()
         with pytest.raises(ValueError, match=rf"`{name}` cannot change once.*'emb/embeddings'"):
@@ -283,6 +284,7 @@ def test_a_checkpoint_that_kept_the_unread_moment_still_loads():
     again, emb2 = table_model(VOCAB, WIDTH, N_IDS, sparseopt.updaters.Adam(0.05, beta_1=0.0))
     again.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)),
                   loss=dot_loss)
+    # Built first (a shortcut, not the users' path): loads state into a built optimizer by hand.
     again.optimizer.build(again.trainable_variables)
     again.optimizer.load_own_variables({str(i): v for i, v in enumerate(old)})
     np.testing.assert_array_equal(

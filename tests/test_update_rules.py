@@ -158,6 +158,7 @@ def test_optimizer_state_is_the_documented_bytes_per_row():
         model, emb = table_model(rows, width, 2, entry(0.05, **cfg), name=f"t{len(key)}")
         model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD()),
                       loss=dot_loss)
+        # Built first (a shortcut, not the users' path): measures the state's bytes without training.
         model.optimizer.build(model.trainable_variables)
         state = model.optimizer.table_state(emb.embeddings).values()
         per_row = [v for v in state if len(v.shape) and v.shape[0] == rows]
