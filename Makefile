@@ -8,7 +8,7 @@ export PYTHONWARNINGS ?= ignore::DeprecationWarning
 # Backend of `make demo` and `make bench`: `make demo BACKEND=tensorflow`.
 BACKEND ?= jax
 
-.PHONY: demo test test-all test-jax test-tensorflow bench bench-quick bench-peers env clean
+.PHONY: demo test test-all test-jax test-tensorflow bench bench-quick bench-peers env clean install-check
 
 env: $(STAMP)
 
@@ -108,6 +108,26 @@ bench-quick: $(STAMP)
 	KERAS_BACKEND=tensorflow $(BIN)/python benchmarks/precision.py --quick
 	KERAS_BACKEND=jax $(BIN)/python benchmarks/open_vocabulary.py --quick
 	KERAS_BACKEND=tensorflow $(BIN)/python benchmarks/open_vocabulary.py --quick
+
+# Installed as users install it (not part of `make test`): the wheel built from
+# this checkout, installed with its extras into a fresh virtual environment, and
+# a small model trained on each backend from outside the checkout, with an empty
+# kernel cache (tests/jobs/install_check.py). Catches packaging mistakes: a
+# missing package file, a dependency left out, kernels built into the package.
+INSTALL_TMP ?= $(or $(TMPDIR),/tmp)/sparseopt-install-check
+install-check: $(STAMP)
+	rm -rf $(INSTALL_TMP) && mkdir -p $(INSTALL_TMP)/run
+	$(BIN)/python -m pip wheel -q --no-deps -w $(INSTALL_TMP)/dist .
+	$(PYTHON) -m venv $(INSTALL_TMP)/venv
+	( $(BIN)/uv pip install -q --python $(INSTALL_TMP)/venv/bin/python \
+	    "$$(ls $(INSTALL_TMP)/dist/sparseopt-*.whl)[jax,tensorflow]" ) || \
+	( $(INSTALL_TMP)/venv/bin/python -m pip install -q \
+	    "$$(ls $(INSTALL_TMP)/dist/sparseopt-*.whl)[jax,tensorflow]" )
+	cp tests/jobs/install_check.py $(INSTALL_TMP)/run/
+	for backend in jax tensorflow; do \
+	  ( cd $(INSTALL_TMP)/run && XDG_CACHE_HOME=$(INSTALL_TMP)/cache KERAS_BACKEND=$$backend \
+	    $(INSTALL_TMP)/venv/bin/python install_check.py $(CURDIR) ) || exit 1; \
+	done
 
 # Optional peers for the suite's TorchRec/FBGEMM rows (CPU builds, ~1 GB).
 bench-peers: $(STAMP)

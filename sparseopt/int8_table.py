@@ -182,7 +182,9 @@ class Int8Table:
         entries = ops.concatenate(
             [ops.cast(codes, "float32"), ops.expand_dims(ops.cast(scale, "float32"), 1),
              ops.stack(split_halves(ids), axis=1)], axis=1)
-        backend.write_rows(self.buffer, 0, entries)
+        # The check first: a step over the buffer raises before writing any of it
+        # (the buffer's rows still wait for the next call).
+        backend.write_rows(self.buffer, 0, backend.after(count, entries))
         self.buffered.assign(encode_step(count))
 
 

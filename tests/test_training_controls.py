@@ -346,3 +346,31 @@ def test_a_change_reaches_the_tables_made_before_the_build_or_after_it(control, 
     np.testing.assert_allclose(to_np(emb.embeddings), table, rtol=1e-5, atol=1e-6)
     if control.startswith("rate"):
         assert model.optimizer.learning_rate_scale() == pytest.approx(rate_after / 0.5)
+
+
+def test_under_mixed_float16_the_dispatch_optimizer_is_reached_through_of():
+    """Keras wraps the compiled optimizer in a `LossScaleOptimizer` under `mixed_float16`:
+    `DispatchOptimizer.of(model)` (or `inner_optimizer`) reaches ours and its members."""
+    xs, ys = _data(12)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model, emb = table_model(VOCAB, WIDTH, N_IDS, sparseopt.updaters.Adagrad(0.1))
+        model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)),
+                      loss=dot_loss)
+        _fit(model, xs, ys)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    ours = sparseopt.DispatchOptimizer.of(model)
+    assert ours is model.optimizer.inner_optimizer
+    assert sparseopt.DispatchOptimizer.of(model.optimizer) is ours
+    assert sparseopt.DispatchOptimizer.of(ours) is ours
+    path = emb.embeddings.path
+    assert ours.skipped_steps() == {path: 0} and ours.dropped_ids() == {path: 0}
+    assert sorted(ours.table_state(emb.embeddings)) == ["accumulator"]
+    scale = ours.learning_rate_scale()
+    assert isinstance(scale, float) and scale == 1.0
+    plain = keras.Sequential([keras.layers.Dense(1)])
+    plain.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="not trained by a sparseopt.DispatchOptimizer"):
+        sparseopt.DispatchOptimizer.of(plain)

@@ -111,6 +111,8 @@ CONTRACT = {
     "write_rows": "`write_rows(variable, start, rows)`: rows written at a (traced) offset.",
     "at_least_zero": "`at_least_zero(value, message)`: a traced size checked when the step "
                      "runs.",
+    "after": "`after(done, value)`: `value`, used only once `done` is computed (a check "
+             "that must run before a write: TF runs independent ops in any order).",
     # Building tables.
     "FILLS_IN_BLOCKS": "whether `fill_in_blocks` writes blocks into one buffer in place "
                        "(JAX); where not, it builds the blocks and joins them.",

@@ -415,6 +415,11 @@ def at_least_zero(value, message):
     return value
 
 
+def after(done, value):
+    """`value` (JAX orders a step's effects by their data: nothing to add)."""
+    return value
+
+
 def trace_forward(model, find_batch):
     """Traces `model` on a batch's shapes without computing or changing anything.
 

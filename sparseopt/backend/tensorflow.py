@@ -511,6 +511,12 @@ def at_least_zero(value, message):
         return tf.identity(value)
 
 
+def after(done, value):
+    """`value`, used only once `done` is computed (graph ops run in any order otherwise)."""
+    with tf.control_dependencies([done]):
+        return tf.identity(value)
+
+
 def trace_forward(model, find_batch):
     """Nothing to do: TF builds the optimizer inside the traced step, after the forward
     pass, so every lookup has seen the step's shapes by then."""

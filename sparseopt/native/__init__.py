@@ -24,12 +24,13 @@ tests/test_native_tf.py).
 
 How they are built: from source, with the system C++ compiler, against the
 XLA FFI headers jaxlib ships (`jax.ffi.include_dir()`) or the headers and
-library TensorFlow ships (`tf.sysconfig`), on first use in a process (`make
-env` builds both at install), into `sparseopt/native/_build/` (or
-`~/.cache/sparseopt/native` where the package is not writable), keyed by the
-sources, the flags and the JAX or TensorFlow version. A build that fails (no
-compiler, another OS) is logged once and the pure path runs: an import never
-fails.
+library TensorFlow ships (`tf.sysconfig`), on first use in a process (one
+logged line says so; `make env` and `python -m sparseopt.native` build both
+ahead), into a per-user cache (`$XDG_CACHE_HOME/sparseopt/native`, by default
+`~/.cache/sparseopt/native`; `SPARSEOPT_NATIVE_DIR` to choose), keyed by the
+sources, the flags and the JAX or TensorFlow version, never into the
+installed package. A build that fails (no compiler, another OS) is logged
+once and the pure path runs: an import never fails.
 
 The switch: `SPARSEOPT_NATIVE=1` in the environment turns every kernel on,
 `SPARSEOPT_NATIVE=0` every kernel off (unset: each kernel's default);
@@ -46,6 +47,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import tempfile
 
 _LOG = logging.getLogger("sparseopt.native")
 HERE = pathlib.Path(__file__).parent
@@ -124,15 +126,37 @@ def _key(sources, version, flags):
 
 
 def _target_dir():
-    own = HERE / "_build"
+    """Where compiled kernels live: `SPARSEOPT_NATIVE_DIR`, else a per-user cache.
+
+    Never the package's own folder: an installed package may be read-only,
+    shared by users, or replaced by the next install. The file names are
+    keyed by the sources, flags, platform and JAX or TensorFlow version
+    (`_key`), so one cache serves every version side by side. Where the
+    cache cannot be written (a read-only home), a folder of this user's in
+    the temporary directory.
+    """
+    given = os.environ.get("SPARSEOPT_NATIVE_DIR")
+    if given:
+        return pathlib.Path(given)
+    cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
+    user = getattr(os, "getuid", lambda: "user")()
+    for folder in (cache / "sparseopt" / "native",
+                   pathlib.Path(tempfile.gettempdir()) / f"sparseopt-native-{user}"):
+        if _writable(folder):
+            return folder
+    raise RuntimeError(f"no writable folder for the compiled kernels (tried {cache}); set "
+                       "SPARSEOPT_NATIVE_DIR")
+
+
+def _writable(folder):
+    """Whether files can be created in `folder` (made if missing), tried for real:
+    `os.access` says yes to root on a read-only file system."""
     try:
-        own.mkdir(exist_ok=True)
-        if os.access(own, os.W_OK):
-            return own
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder):
+            return True
     except OSError:
-        pass
-    cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache"))
-    return cache / "sparseopt" / "native"
+        return False
 
 
 def build():
@@ -140,7 +164,7 @@ def build():
     import jax
     import jax.ffi
 
-    return _compile("libsparseopt_kernels", SOURCES, jax.__version__,
+    return _compile("libsparseopt_kernels", SOURCES, f"JAX {jax.__version__}",
                     [f"-I{jax.ffi.include_dir()}"])
 
 
@@ -151,7 +175,7 @@ def build_tf():
 
     # TensorFlow's own include path, ABI and link flags.
     flags = list(tf.sysconfig.get_compile_flags()) + list(tf.sysconfig.get_link_flags())
-    return _compile("libsparseopt_tf_ops", TF_SOURCES, tf.__version__, flags)
+    return _compile("libsparseopt_tf_ops", TF_SOURCES, f"TensorFlow {tf.__version__}", flags)
 
 
 def _compile(stem, sources, version, extra):
@@ -163,6 +187,10 @@ def _compile(stem, sources, version, extra):
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
+    # Once per version of the framework: say what the wait is (a few seconds).
+    _LOG.warning("sparseopt: compiling its native CPU kernels for %s into %s (once per "
+                 "version, a few seconds; SPARSEOPT_NATIVE=0 runs the pure path instead)",
+                 version, target)
     partial = path.with_suffix(f".{os.getpid()}.tmp")
     # Sources before the link flags: the linker resolves left to right.
     command = [compiler, *FLAGS, *(str(HERE / s) for s in sources), *extra, "-o", str(partial)]
