@@ -116,8 +116,9 @@ bench-quick: $(STAMP)
 # missing package file, a dependency left out, kernels built into the package.
 INSTALL_TMP ?= $(or $(TMPDIR),/tmp)/sparseopt-install-check
 install-check: $(STAMP)
-	rm -rf $(INSTALL_TMP) && mkdir -p $(INSTALL_TMP)/run
+	rm -rf $(INSTALL_TMP) build && mkdir -p $(INSTALL_TMP)/run
 	$(BIN)/python -m pip wheel -q --no-deps -w $(INSTALL_TMP)/dist .
+	rm -rf build  # (setuptools' staging: a stale copy there could hide a missing file)
 	$(PYTHON) -m venv $(INSTALL_TMP)/venv
 	( $(BIN)/uv pip install -q --python $(INSTALL_TMP)/venv/bin/python \
 	    "$$(ls $(INSTALL_TMP)/dist/sparseopt-*.whl)[jax,tensorflow]" ) || \
@@ -125,7 +126,8 @@ install-check: $(STAMP)
 	    "$$(ls $(INSTALL_TMP)/dist/sparseopt-*.whl)[jax,tensorflow]" )
 	cp tests/jobs/install_check.py $(INSTALL_TMP)/run/
 	for backend in jax tensorflow; do \
-	  ( cd $(INSTALL_TMP)/run && XDG_CACHE_HOME=$(INSTALL_TMP)/cache KERAS_BACKEND=$$backend \
+	  ( cd $(INSTALL_TMP)/run && unset SPARSEOPT_NATIVE_DIR SPARSEOPT_NATIVE && \
+	    XDG_CACHE_HOME=$(INSTALL_TMP)/cache KERAS_BACKEND=$$backend \
 	    $(INSTALL_TMP)/venv/bin/python install_check.py $(CURDIR) ) || exit 1; \
 	done
 
@@ -134,4 +136,4 @@ bench-peers: $(STAMP)
 	$(BIN)/python -m pip install -q torch==2.13.0 fbgemm-gpu-cpu==1.8.0
 
 clean:
-	rm -rf $(VENV) .pytest_cache .pytest_tmp .hypothesis *.egg-info
+	rm -rf $(VENV) .pytest_cache .pytest_tmp .hypothesis *.egg-info build

@@ -1,6 +1,6 @@
 """The first training step: compile time with sparseopt against plain Keras.
 
-    python benchmarks/first_step.py            # JAX and TensorFlow, batch 4,096 (~3 min)
+    python benchmarks/first_step.py            # JAX and TensorFlow, batch 4,096 (~75 s)
     python benchmarks/first_step.py --backends jax --repeats 3
 
 Users meet the first step at every start and at every new batch shape: on

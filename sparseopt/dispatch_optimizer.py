@@ -71,10 +71,14 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             when built, and kept in the config (a loaded model rebuilds its
             buffers from it); give it only to build without a batch.
         loss_scale_factor: as Keras optimizers' (default: `optimizer`'s).
+        learning_rate_reference: the wrapped rate tables' rates are in
+            proportion to (`learning_rate_scale`); default: the wrapped
+            optimizer's rate now. Kept in the config, so an optimizer made
+            from it (a clone, a loaded model) keeps the proportion.
     """
 
     def __init__(self, optimizer, optimizer_map=None, group_tables=False, name=None,
-                 accumulation_ids_per_step=None, **kwargs):
+                 accumulation_ids_per_step=None, learning_rate_reference=None, **kwargs):
         optimizer = keras.optimizers.get(optimizer)
         if isinstance(optimizer, (DispatchOptimizer, keras.optimizers.LossScaleOptimizer)):
             raise ValueError(
@@ -108,7 +112,8 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         # to it (`learning_rate_scale`). Read now, not when built: a rate set
         # between compile and fit, or by a callback before the first step
         # (TensorFlow builds inside that step), is a change tables must see.
-        given_rate = _constant_rate(optimizer)
+        given_rate = (_constant_rate(optimizer) if learning_rate_reference is None
+                      else float(learning_rate_reference))
         super().__init__(learning_rate=0.0, name=name, **kwargs)
         self._given_rate = given_rate
         self._default_optimizer = optimizer
@@ -801,6 +806,8 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
     def get_config(self):
         extra = {k: getattr(self, k) for k in ("global_clipnorm", "gradient_accumulation_steps",
                                                "accumulation_ids_per_step") if getattr(self, k)}
+        if self._given_rate is not None:
+            extra["learning_rate_reference"] = self._given_rate
         return {
             **extra,
             "name": self.name,

@@ -187,8 +187,8 @@ class TableTrainer:
 
         Args:
             iteration: the optimizer's 0-based step count.
-            learning_rate_scale: the dense learning rate now over its value when
-                training began (`DispatchOptimizer`); multiplies this table's
+            learning_rate_scale: the dense learning rate now over the rate the
+                user gave it (`DispatchOptimizer`); multiplies this table's
                 rate where its updater has `follow_learning_rate=True`.
         """
         values = self.updater.values_at(iteration + 1, self.hyperparameters)

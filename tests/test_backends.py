@@ -351,5 +351,5 @@ def test_tables_get_the_summed_gradients_result_where_plain_keras_on_tf_does_not
     gap = np.abs(plain - dense).max()
     if BACKEND == "tensorflow":  # Keras' own, measured 1e-4 to 1e-1: docs/backends.md
         assert gap > 1e-5, gap
-    else:
-        assert gap == 0.0
+    else:  # the same dense gradient (0 here; rounding apart on other XLA versions)
+        assert gap <= 1e-6, gap

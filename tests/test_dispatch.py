@@ -67,6 +67,7 @@ def test_standard_optimizer_creates_no_slot_for_tables():
         100_000, WIDTH, updater=sparseopt.updaters.Ftrl(0.1), name="emb"))
     opt = sparseopt.DispatchOptimizer(keras.optimizers.Adam(use_ema=True))
     model.compile(optimizer=opt, loss="mse")
+    # Built first (a shortcut, not the users' path): reads which slots exist without training.
     opt.build(model.trainable_variables)
     big = [v.path for v in opt.optimizer.variables if len(v.shape) and v.shape[0] == 100_000]
     assert big == []

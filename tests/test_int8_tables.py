@@ -372,6 +372,7 @@ def _property_model(key, vocab):
         model = keras.Model(inputs, out)
         opt = sparseopt.DispatchOptimizer(keras.optimizers.SGD(), group_tables=True)
         model.compile(optimizer=opt, loss=dot_loss)
+        # Built first (a shortcut, not the users' path): one model per configuration is reused across examples, its fresh state snapshotted to reset it.
         opt.build(model.trainable_variables)
         fresh = ([to_np(v) for v in opt.variables],
                  [(to_np(t.embeddings), to_np(t.embeddings_scale)) for t in tables])

@@ -230,3 +230,25 @@ def test_a_failed_build_is_said_once_and_the_pure_path_runs():
     assert out[-2:] == [str([False] * 6), "True True"]
     assert done.stderr.count("native kernels unavailable, using the pure path") == 1
     assert done.stderr.count("native TensorFlow ops unavailable, using the pure path") == 1
+
+
+def test_kernels_go_to_a_per_user_cache_never_a_shared_folder_others_can_write(
+        tmp_path, monkeypatch):
+    """`SPARSEOPT_NATIVE_DIR` wins; else `$XDG_CACHE_HOME/sparseopt/native`; where that
+    cannot be written, a private folder in the temporary directory, refused if another
+    user could have planted a library there (mode not 0700)."""
+    monkeypatch.setenv("SPARSEOPT_NATIVE_DIR", str(tmp_path / "chosen"))
+    assert native._target_dir() == tmp_path / "chosen"
+    monkeypatch.delenv("SPARSEOPT_NATIVE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert native._target_dir() == tmp_path / "cache" / "sparseopt" / "native"
+    blocked = tmp_path / "not_a_folder"
+    blocked.write_text("")  # a cache under a file cannot be made
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    monkeypatch.setattr(native.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    private = native._target_dir()
+    assert private.parent == tmp_path / "tmp" and private.stat().st_mode & 0o777 == 0o700
+    private.chmod(0o777)  # as if another user made it, open to all
+    with pytest.raises(RuntimeError, match="no writable folder"):
+        native._target_dir()

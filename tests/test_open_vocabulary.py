@@ -644,7 +644,7 @@ def test_what_open_vocabularies_do_not_support_yet_is_refused_naming_the_table()
         model.fit(np.zeros((1, N_IDS), "int32"), np.zeros((1, N_IDS, WIDTH)), verbose=0)
 
 
-@pytest.mark.parametrize("capacity", [0, -5, 2.5])
+@pytest.mark.parametrize("capacity", [0, -5, 2.5, None, "8"])
 def test_a_capacity_that_is_not_a_positive_int_is_refused_by_its_name(capacity):
     with pytest.raises(ValueError, match="DynamicEmbedding 'dyn': `capacity` .* positive int"):
         sparseopt.layers.DynamicEmbedding(capacity, WIDTH, sparseopt.updaters.SGD(0.1),
@@ -698,3 +698,35 @@ def test_the_summary_counts_the_table_and_the_defaults_are_sized_to_it():
     assert layer.vocabulary.tombstones.size == 256
     big = sparseopt.layers.DynamicEmbedding(10**6, 8, sparseopt.updaters.SGD(0.1))
     assert big.vocabulary.tombstones.size == 65536
+
+
+def test_a_file_with_another_tombstone_log_size_loads_keeping_its_newest_entries(tmp_path):
+    """Files written before the log was sized to the table (65,536 entries whatever the
+    capacity) load into today's layer: the newest entries kept, and a delta since a step
+    whose entries were dropped refused rather than answered short."""
+    xs = np.random.default_rng(5).choice(POOL, size=(12, BATCH, N_IDS)).astype("int32")
+    ys = np.ones((BATCH, N_IDS, WIDTH), "float32")
+
+    def trained(log):
+        keras.backend.clear_session(free_memory=False)
+        model, layer = dynamic_model(4, probes=2, tombstone_log=log)
+        for x in xs:
+            model.train_on_batch(x, ys)
+        return model, layer
+
+    old_model, old = trained(64)
+    path = str(tmp_path / "old.weights.h5")
+    old_model.save_weights(path)
+    cursor = int(to_np(old.vocabulary.tombstones.cursor))
+    assert cursor > 4  # more replaced ids than the new log keeps
+    new_model, new = trained(4)
+    new_model.load_weights(path)
+    assert new.held_ids() == old.held_ids()
+    log = to_np(old.vocabulary.tombstones.log)[:cursor]
+    recent = int(log[-4, 2])  # the 4 newest entries are from this step on
+    for since in range(recent, 13):
+        assert sorted(new.delta(since).tombstones.tolist()) == sorted(
+            old.delta(since).tombstones.tolist())
+    if int(log[-5, 2]) < recent:  # an older entry was dropped: asking before it is refused
+        with pytest.raises(ValueError, match="tombstone log"):
+            new.delta(recent - 1)

@@ -66,6 +66,7 @@ def _model(name, vocab, mode):
         model = keras.Model(inputs, out)
         opt = sparseopt.DispatchOptimizer(keras.optimizers.SGD(), group_tables=True)
         model.compile(optimizer=opt, loss=dot_loss, jit_compile=mode != "traced")
+        # Built first (a shortcut, not the users' path): one model per configuration is reused across Hypothesis examples, its fresh state snapshotted to reset it.
         opt.build(model.trainable_variables)
         assert opt.table_groups == [[t.embeddings.path for t in tables]]
         _models[key] = (model, tables, opt, [to_np(v) for v in opt.variables])

@@ -171,6 +171,7 @@ def test_every_registered_updater_round_trips_and_builds_its_slots(case):
     model, emb = table_model(12, 3, 2, again)
     opt = sparseopt.DispatchOptimizer(keras.optimizers.SGD())
     model.compile(optimizer=opt, loss=dot_loss)
+    # Built first (a shortcut, not the users' path): reads the state's slots without training.
     opt.build(model.trainable_variables)
     state = opt.table_state(emb.embeddings)
     assert sorted(state) == sorted(s.name for s in updater.slots)

@@ -374,3 +374,20 @@ def test_under_mixed_float16_the_dispatch_optimizer_is_reached_through_of():
     plain.compile(optimizer="sgd", loss="mse")
     with pytest.raises(ValueError, match="not trained by a sparseopt.DispatchOptimizer"):
         sparseopt.DispatchOptimizer.of(plain)
+
+
+def test_the_reference_rate_travels_with_the_config():
+    """A clone made from the config (`from_config(get_config())`, what loading a model
+    does before its state arrives) keeps the proportion, not the rate it was cloned at."""
+    xs, ys = _data(13)
+    optimizer = sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1))
+    optimizer.learning_rate = 0.05
+    clone = sparseopt.DispatchOptimizer.from_config(optimizer.get_config())
+    assert clone.get_config()["learning_rate_reference"] == pytest.approx(0.1)
+    assert clone.learning_rate_scale() == pytest.approx(0.5)
+    model, emb = table_model(VOCAB, WIDTH, N_IDS, sparseopt.updaters.SGD(0.5))
+    model.compile(optimizer=clone, loss=dot_loss)
+    table0 = to_np(emb.embeddings)
+    xs, ys = _fit(model, xs, ys)
+    want, _ = numpy_replay("SGD", {}, table0, xs, ys, lambda t: 0.25)
+    np.testing.assert_allclose(to_np(emb.embeddings), want, rtol=1e-5, atol=1e-6)

@@ -1,13 +1,14 @@
 """`DynamicEmbedding`: a table keyed by raw ids, with admission and eviction."""
 
 import keras
+import numpy as np
 from keras import ops
 
 from sparseopt import backend, distribution
 from sparseopt.layers.sparse_embedding import SparseEmbedding
 from sparseopt.ops.lookup import PlainOptimizerGuard, check_ids_dtype, layer_state
 from sparseopt.vocabulary import keys as keys_lib
-from sparseopt.vocabulary import new_rows
+from sparseopt.vocabulary import new_rows, tombstones
 from sparseopt.vocabulary.open_vocabulary import OpenVocabulary
 
 DEFAULT_ROWS = ("zeros", "trained")
@@ -78,7 +79,8 @@ class DynamicEmbedding(SparseEmbedding):
             raise ValueError(f"DynamicEmbedding '{kwargs.get('name', '')}': `default_row` must "
                              f"be one of {DEFAULT_ROWS}, got {default_row!r}.")
         self.default_row = default_row
-        if isinstance(capacity, bool) or int(capacity) != capacity or capacity <= 0:
+        if (not isinstance(capacity, (int, np.integer, float)) or isinstance(capacity, bool)
+                or int(capacity) != capacity or capacity <= 0):
             raise ValueError(f"DynamicEmbedding '{kwargs.get('name', '')}': `capacity` (the "
                              f"rows ids can hold) must be a positive int, got {capacity!r}.")
         if int(output_dim) <= 0:
@@ -154,7 +156,7 @@ class DynamicEmbedding(SparseEmbedding):
         for feature in features:
             # A float id would be cast to int32 below: raw ids float32 cannot
             # tell apart (above 2**24) would silently share a row.
-            check_ids_dtype(feature, self.name, self.embeddings.path)
+            check_ids_dtype(feature, self.name, self.embeddings.path, row_ids=False)
         parts = [keys_lib.halves(f, self.key_halves) for f in features]
         sizes = [ops.shape(high)[0] for high, _ in parts]
         high = ops.concatenate([h for h, _ in parts], axis=0) if len(parts) > 1 else parts[0][0]
@@ -183,7 +185,7 @@ class DynamicEmbedding(SparseEmbedding):
 
     def compute_output_spec(self, ids, training=None):
         for feature in keras.tree.flatten(ids):
-            check_ids_dtype(feature, self.name, self.embeddings.path)
+            check_ids_dtype(feature, self.name, self.embeddings.path, row_ids=False)
             if (not self.key_halves and "int64" in str(feature.dtype)
                     and not backend.has_int64()):
                 # JAX would keep each id's low half: distinct ids would become one.
@@ -217,12 +219,23 @@ class DynamicEmbedding(SparseEmbedding):
             raise ValueError(
                 f"Layer '{self.name}' expected {len(variables)} variables (its table and "
                 f"its id map), but received {len(store.keys())} variables during loading.")
+        values = [store[str(i)] for i in range(len(variables))]
+        ring = self.vocabulary.tombstones
+        at = next(i for i, v in enumerate(variables) if v is ring.log)
+        if tuple(values[at].shape) != tuple(ring.log.shape):
+            # Written with another tombstone log size (before 2026-11-26 the default was
+            # 65,536 whatever the capacity): its newest entries are kept.
+            try:
+                values[at:at + 3] = tombstones.resized(*(np.asarray(v) for v in
+                                                         values[at:at + 3]), ring.size)
+            except ValueError as e:
+                raise ValueError(f"Layer '{self.name}': {e}") from None
         for i, variable in enumerate(variables):
-            if tuple(store[str(i)].shape) != tuple(variable.shape):
+            if tuple(values[i].shape) != tuple(variable.shape):
                 raise ValueError(
                     f"Layer '{self.name}': the file's {variable.name} has shape "
-                    f"{tuple(store[str(i)].shape)}, this layer's {tuple(variable.shape)}.")
-            variable.assign(store[str(i)])
+                    f"{tuple(values[i].shape)}, this layer's {tuple(variable.shape)}.")
+            variable.assign(values[i])
         if self.int8 is not None:
             self.int8.clear()  # the file's rows are current (the map's hand-over stays)
 

@@ -132,27 +132,40 @@ def _target_dir():
     shared by users, or replaced by the next install. The file names are
     keyed by the sources, flags, platform and JAX or TensorFlow version
     (`_key`), so one cache serves every version side by side. Where the
-    cache cannot be written (a read-only home), a folder of this user's in
-    the temporary directory.
+    cache cannot be written (a read-only or missing home), a private folder
+    of this user's in the temporary directory (mode 0700, owned by this
+    user: a shared directory must not let another user plant a library).
     """
     given = os.environ.get("SPARSEOPT_NATIVE_DIR")
     if given:
         return pathlib.Path(given)
-    cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
-    user = getattr(os, "getuid", lambda: "user")()
-    for folder in (cache / "sparseopt" / "native",
-                   pathlib.Path(tempfile.gettempdir()) / f"sparseopt-native-{user}"):
-        if _writable(folder):
-            return folder
-    raise RuntimeError(f"no writable folder for the compiled kernels (tried {cache}); set "
-                       "SPARSEOPT_NATIVE_DIR")
-
-
-def _writable(folder):
-    """Whether files can be created in `folder` (made if missing), tried for real:
-    `os.access` says yes to root on a read-only file system."""
+    candidates = []
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        home_cache = pathlib.Path.home() / ".cache"
+    except (KeyError, RuntimeError):  # no home (a container's uid without an entry)
+        home_cache = None
+    cache = os.environ.get("XDG_CACHE_HOME") or home_cache
+    if cache is not None:
+        candidates.append((pathlib.Path(cache) / "sparseopt" / "native", False))
+    user = os.getuid() if hasattr(os, "getuid") else os.getlogin()
+    candidates.append((pathlib.Path(tempfile.gettempdir()) / f"sparseopt-native-{user}", True))
+    for folder, shared in candidates:
+        if _writable(folder, private=shared):
+            return folder
+    raise RuntimeError(f"no writable folder for the compiled kernels (tried "
+                       f"{[str(f) for f, _ in candidates]}); set SPARSEOPT_NATIVE_DIR")
+
+
+def _writable(folder, private=False):
+    """Whether files can be created in `folder` (made if missing), tried for real:
+    `os.access` says yes to root on a read-only file system. `private`: the
+    folder must also be this user's alone (in a directory others can write)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700 if private else 0o777)
+        if private:
+            info = folder.stat()
+            if (hasattr(os, "getuid") and info.st_uid != os.getuid()) or info.st_mode & 0o077:
+                return False
         with tempfile.NamedTemporaryFile(dir=folder):
             return True
     except OSError:

@@ -278,10 +278,12 @@ class SparseLookup:
             (backend.trace_token(traced), record))
 
 
-def check_ids_dtype(ids, layer_name, table_path):
+def check_ids_dtype(ids, layer_name, table_path, row_ids=True):
     """Refuses non-integer ids; warns where int64 ids would be truncated.
 
     Raises a `TypeError` naming the layer unless `ids` has an integer dtype.
+    `row_ids=False` (raw ids of an open vocabulary, which has its own
+    refusal of truncated int64 ids): the dtype check only.
     Ids declared int64 on JAX without `jax_enable_x64` are converted to int32
     by JAX itself before any layer runs, so ids >= 2**31 would wrap into
     range: that gets a warning with the fix.
@@ -293,7 +295,7 @@ def check_ids_dtype(ids, layer_name, table_path):
             f"got dtype {dtype}. Cast them first, e.g. `keras.ops.cast(ids, "
             "'int32')`, or declare the input with `keras.Input(..., dtype='int32')`."
         )
-    if dtype in ("int64", "uint64", "uint32") and not backend.has_int64():
+    if row_ids and dtype in ("int64", "uint64", "uint32") and not backend.has_int64():
         warnings.warn(
             f"Layer '{layer_name}': ids for table '{table_path}' are declared "
             f"{dtype}, but JAX runs without 64-bit types and converts them to int32 "

@@ -217,7 +217,8 @@ class Updater:
             still honoured (configs and files of earlier versions load).
         follow_learning_rate: `True` (default): the table trains at
             `learning_rate` times the wrapped Keras optimizer's learning rate
-            over its value when training began, so Keras' learning-rate
+            over the rate the user gave it (`DispatchOptimizer.learning_rate_scale`),
+            so Keras' learning-rate
             callbacks reach it in proportion; `False`: at `learning_rate`.
         **options: the options above.
     """

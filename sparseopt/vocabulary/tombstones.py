@@ -66,3 +66,30 @@ class TombstoneLog:
         else:
             log = log[:cursor]
         return log[log[:, 2] > step, :2]
+
+
+def resized(log, cursor, wrapped, size):
+    """A ring's saved values `(log [S, 3], cursor, wrapped)` as a ring of `size` entries.
+
+    For files written with another size (files written before 2026-11-26 sized every
+    ring 65,536 by default; now `capacity`): the newest `size` entries are
+    kept, in order, and where older ones are dropped the ring says it has
+    wrapped, so `since` refuses a step they would have answered. NumPy.
+
+    Raises:
+        ValueError: the saved ring had wrapped and is smaller than `size`
+            (what it lost cannot be marked in a ring that is not full).
+    """
+    log = np.asarray(log)
+    cursor, wrapped = int(cursor), int(wrapped)
+    entries = np.concatenate([log[cursor:], log[:cursor]]) if wrapped else log[:cursor]
+    kept = entries[-size:]
+    lost = bool(wrapped) or len(entries) > size
+    if lost and len(kept) < size:
+        raise ValueError(f"the file's tombstone log ({len(log)} entries) has wrapped; it "
+                         f"cannot become a log of {size} entries. Build the layer with "
+                         f"`tombstone_log={len(log)}` to load it.")
+    out = np.full((size, 3), -1, log.dtype)
+    out[:len(kept)] = kept
+    return out, np.asarray(len(kept) % size, "int32"), np.asarray(
+        int(lost or len(kept) == size), "int32")

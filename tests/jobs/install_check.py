@@ -6,7 +6,8 @@ folder outside the checkout, with an empty kernel cache. For the backend given:
 
 - `sparseopt` is imported from that environment, not from the checkout;
 - the first `fit` compiles the native kernels into the per-user cache (one
-  logged line says so) and uses them, and writes nothing into the package;
+  logged line says so) and uses them (where a C++ compiler is found), and
+  writes nothing into the package;
 - a two-table model (float32 and bfloat16 tables, Adagrad) trains, saves and
   loads, and the loaded model predicts what the trained one does.
 
@@ -15,6 +16,7 @@ Usage: KERAS_BACKEND=jax python install_check.py CHECKOUT
 
 import os
 import pathlib
+import shutil
 import sys
 import tempfile
 
@@ -51,10 +53,11 @@ def main(checkout):
     start = keras.ops.convert_to_numpy(users.embeddings).copy()
     model.fit(xs, ys, batch_size=64, epochs=2, verbose=0)
     assert not np.array_equal(keras.ops.convert_to_numpy(users.embeddings), start)
-    framework = {"jax": "jax", "tensorflow": "tensorflow"}[keras.backend.backend()]
-    assert sparseopt.native.available(framework), sparseopt.native.build_error(framework)
+    framework = keras.backend.backend()
     cache = pathlib.Path(os.environ["XDG_CACHE_HOME"]) / "sparseopt" / "native"
-    assert any(cache.glob("*.so")), f"no kernels in the per-user cache {cache}"
+    if shutil.which("g++") or shutil.which("c++"):  # (without one, the pure path runs)
+        assert sparseopt.native.available(framework), sparseopt.native.build_error(framework)
+        assert any(cache.glob("*.so")), f"no kernels in the per-user cache {cache}"
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "m.keras")
         model.save(path)

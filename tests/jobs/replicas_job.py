@@ -166,6 +166,7 @@ def run_fit(out):
     model.save_weights(path)
     keras.backend.clear_session()
     loaded = recommender()
+    # Built first (a shortcut, not the users' path): loads the optimizer state into a built optimizer, as a resumed replica run does.
     loaded.optimizer.build(loaded.trainable_variables)
     loaded.load_weights(path)
     arrays.update(primary(loaded, "loaded"))
