@@ -294,6 +294,13 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
 
     @loss_scale_factor.setter
     def loss_scale_factor(self, value):
+        if getattr(self, "built", False) and value != getattr(self, "_loss_scale_factor", None):
+            # Keras scales the loss by it in the traced step, and the tables
+            # unscale by it there: a later change would reach neither.
+            raise ValueError(
+                "DispatchOptimizer: `loss_scale_factor` cannot change once the optimizer is "
+                "built (the traced step has read it). Set it before the first `fit` (or "
+                "build), or compile again with a new DispatchOptimizer.")
         self._loss_scale_factor = value
         for opt in getattr(self, "_dense_optimizers", []):
             opt.loss_scale_factor = value

@@ -391,3 +391,35 @@ def test_the_reference_rate_travels_with_the_config():
     xs, ys = _fit(model, xs, ys)
     want, _ = numpy_replay("SGD", {}, table0, xs, ys, lambda t: 0.25)
     np.testing.assert_allclose(to_np(emb.embeddings), want, rtol=1e-5, atol=1e-6)
+
+
+# Controls the traced step reads as Python values: set before the build (between
+# compile and fit) they act (tests/test_global_clipping.py, test_gradient_accumulation.py,
+# test_dispatch.py's loss scaling, test_lookahead.py, test_swa.py, test_catch_up.py);
+# once built, a change is refused naming the fix, never silently ignored.
+AFTER_BUILD = {
+    "loss_scale_factor": lambda model, emb: setattr(model.optimizer, "loss_scale_factor", 64.0),
+    "global_clipnorm": lambda model, emb: setattr(model.optimizer, "global_clipnorm", 0.1),
+    "gradient_accumulation_steps": lambda model, emb: setattr(
+        model.optimizer, "gradient_accumulation_steps", 2),
+    "exclude_from_weight_decay": lambda model, emb: model.optimizer.exclude_from_weight_decay(
+        var_names=["emb"]),
+    "ema_momentum": lambda model, emb: setattr(emb.updater, "ema_momentum", 0.9),
+    "swa_period": lambda model, emb: setattr(emb.updater, "swa_period", 2),
+    "lookahead_period": lambda model, emb: setattr(emb.updater, "lookahead_period", 2),
+    "lazy": lambda model, emb: setattr(emb.updater, "lazy", False),
+}
+
+
+@pytest.mark.parametrize("control", sorted(AFTER_BUILD))
+def test_a_control_the_step_reads_once_is_refused_after_the_build(control):
+    xs, ys = _data(14)
+    model, emb = table_model(VOCAB, WIDTH, N_IDS, sparseopt.updaters.SGD(0.5, momentum=0.5))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.SGD(0.1)),
+                  loss=dot_loss)
+    _fit(model, xs, ys)
+    before = to_np(emb.embeddings)
+    with pytest.raises(ValueError, match="once the optimizer|only be configured before"):
+        AFTER_BUILD[control](model, emb)
+    _fit(model, xs, ys)  # training goes on as configured
+    assert not np.array_equal(to_np(emb.embeddings), before)
