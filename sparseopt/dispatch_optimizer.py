@@ -150,9 +150,9 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         Raises:
             ValueError: no `DispatchOptimizer` trains it.
         """
-        optimizer = getattr(model_or_optimizer, "optimizer", model_or_optimizer)
-        if isinstance(model_or_optimizer, DispatchOptimizer):
-            optimizer = model_or_optimizer
+        optimizer = model_or_optimizer
+        if isinstance(optimizer, keras.Model):
+            optimizer = optimizer.optimizer
         inner = getattr(optimizer, "inner_optimizer", optimizer)
         if not isinstance(inner, DispatchOptimizer):
             raise ValueError(
@@ -188,10 +188,18 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
 
     @gradient_accumulation_steps.setter
     def gradient_accumulation_steps(self, value):
-        if getattr(self, "built", False):
-            raise ValueError("DispatchOptimizer: `gradient_accumulation_steps` cannot change "
-                             "once the optimizer is built.")
+        self._check_settable("gradient_accumulation_steps", value,
+                             self.__dict__.get("_accumulation_steps"))
         self.__dict__["_accumulation_steps"] = value
+
+    def _check_settable(self, name, value, current):
+        """Refuses a new `value` of `name` once built: the traced step has read it, so
+        a change would be silently ignored (setting it again to the same is fine)."""
+        if getattr(self, "built", False) and value != current:
+            raise ValueError(
+                f"DispatchOptimizer: `{name}` cannot change once the optimizer is built "
+                "(its traced step has read it). Set it before the first `fit` (or build), "
+                "or compile again with a new DispatchOptimizer.")
 
     @property
     def global_clipnorm(self):
@@ -205,11 +213,7 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
 
     @global_clipnorm.setter
     def global_clipnorm(self, value):
-        if getattr(self, "built", False) and value != self.__dict__.get("_global_clipnorm"):
-            raise ValueError(
-                "DispatchOptimizer: `global_clipnorm` cannot change once the optimizer is "
-                "built (its traced step has read it). Set it before the first `fit` (or "
-                "build), or compile again with a new DispatchOptimizer.")
+        self._check_settable("global_clipnorm", value, self.__dict__.get("_global_clipnorm"))
         self.__dict__["_global_clipnorm"] = value
 
     @property
@@ -294,13 +298,10 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
 
     @loss_scale_factor.setter
     def loss_scale_factor(self, value):
-        if getattr(self, "built", False) and value != getattr(self, "_loss_scale_factor", None):
-            # Keras scales the loss by it in the traced step, and the tables
-            # unscale by it there: a later change would reach neither.
-            raise ValueError(
-                "DispatchOptimizer: `loss_scale_factor` cannot change once the optimizer is "
-                "built (the traced step has read it). Set it before the first `fit` (or "
-                "build), or compile again with a new DispatchOptimizer.")
+        # Keras scales the loss by it in the traced step, and the tables unscale
+        # by it there: a change once built would reach neither.
+        self._check_settable("loss_scale_factor", value,
+                             getattr(self, "_loss_scale_factor", None))
         self._loss_scale_factor = value
         for opt in getattr(self, "_dense_optimizers", []):
             opt.loss_scale_factor = value

@@ -446,7 +446,6 @@ class OpenVocabulary:
         high, low, rows, step, evicted, valid, _ = (np.asarray(ops.convert_to_numpy(x))
                                                     for x in pending.decode(self.pending.value))
         safe = np.where(valid, rows, 0)
-        held = np.asarray(ops.convert_to_numpy(ops.take(self.keys.value, safe, axis=0)))
         seen = np.asarray(ops.convert_to_numpy(ops.take(self.last_seen.value, safe, axis=0)))
         first = valid & (seen < step)
         had = first & (seen >= 0)
