@@ -173,12 +173,40 @@ def _writable(folder, private=False):
 
 
 def build():
-    """Compiles the JAX kernels if needed; returns the library's path (raises on failure)."""
+    """Compiles the JAX kernels into the cache if needed; returns the library's path
+    (raises on failure). The loader tries the package's own build first
+    (`prebuilt_path`), where the wheel has one."""
     import jax
     import jax.ffi
 
     return _compile("libsparseopt_kernels", SOURCES, f"JAX {jax.__version__}",
                     [f"-I{jax.ffi.include_dir()}"])
+
+
+def prebuilt_path():
+    """Where the wheel's own build of the JAX kernels sits in the package.
+
+    Built when the wheel is built (`build_prebuilt`, called by `setup.py`),
+    against the XLA FFI headers of the build's jaxlib: XLA's FFI is a stable
+    C ABI, so one build serves every jaxlib in the supported range. Keyed by
+    the sources and flags only.
+    """
+    return HERE / "prebuilt" / f"libsparseopt_kernels_{_key(SOURCES, 'prebuilt', FLAGS)}.so"
+
+
+def build_prebuilt(package_dir, include_dir):
+    """Compiles the JAX kernels into a package being built (`setup.py`'s step).
+
+    Args:
+        package_dir: the built package's `sparseopt/native` folder.
+        include_dir: jaxlib's C headers (`<jaxlib>/include`).
+
+    Returns:
+        The library's path (raises on failure).
+    """
+    path = pathlib.Path(package_dir) / "prebuilt" / prebuilt_path().name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return _compile_to(path, SOURCES, [f"-I{include_dir}"])
 
 
 def build_tf():
@@ -197,13 +225,18 @@ def _compile(stem, sources, version, extra):
     path = target / f"{stem}_{_key(sources, version, FLAGS + tuple(extra))}.so"
     if path.exists():
         return path
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
     # Once per version of the framework: say what the wait is (a few seconds).
     _LOG.warning("sparseopt: compiling its native CPU kernels for %s into %s (once per "
                  "version, a few seconds; SPARSEOPT_NATIVE=0 runs the pure path instead)",
                  version, target)
+    return _compile_to(path, sources, extra)
+
+
+def _compile_to(path, sources, extra):
+    """Compiles `sources` into the library `path` (atomically); returns `path`."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
     partial = path.with_suffix(f".{os.getpid()}.tmp")
     # Sources before the link flags: the linker resolves left to right.
     command = [compiler, *FLAGS, *(str(HERE / s) for s in sources), *extra, "-o", str(partial)]
@@ -220,7 +253,14 @@ def _load_jax():
         import jax
         import jax.ffi
 
-        library = ctypes.cdll.LoadLibrary(str(build()))
+        library = None
+        if prebuilt_path().exists():  # (the wheel's own build, see `prebuilt_path`)
+            try:
+                library = ctypes.cdll.LoadLibrary(str(prebuilt_path()))
+            except OSError as e:
+                _LOG.info("sparseopt: the package's JAX kernels do not load here (%s)", e)
+        if library is None:
+            library = ctypes.cdll.LoadLibrary(str(build()))
         for name, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)),
                                         platform="cpu")
