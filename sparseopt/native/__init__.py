@@ -24,9 +24,11 @@ tests/test_native_tf.py).
 
 How they are built: from source, with the system C++ compiler, against the
 XLA FFI headers jaxlib ships (`jax.ffi.include_dir()`) or the headers and
-library TensorFlow ships (`tf.sysconfig`), on first use in a process (one
-logged line says so; `make env` and `python -m sparseopt.native` build both
-ahead), into a per-user cache (`$XDG_CACHE_HOME/sparseopt/native`, by default
+library TensorFlow ships (`tf.sysconfig`). A wheel carries the JAX kernels
+built (`prebuilt_path`, compiled by `setup.py`); otherwise, and for the
+TensorFlow op always, on first use in a process (one logged line says so;
+`make env` and `python -m sparseopt.native` build both ahead), into a
+per-user cache (`$XDG_CACHE_HOME/sparseopt/native`, by default
 `~/.cache/sparseopt/native`; `SPARSEOPT_NATIVE_DIR` to choose), keyed by the
 sources, the flags and the JAX or TensorFlow version, never into the
 installed package. A build that fails (no compiler, another OS) is logged
