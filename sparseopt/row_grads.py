@@ -63,8 +63,14 @@ class RowGrads:
         return rows_of(self.grads)
 
     @staticmethod
-    def concatenate(records):
-        """Several records of one table (or a group's tables) as one, in order."""
+    def concatenate(records, owner="An open-vocabulary table"):
+        """Several records of one table (or a group's tables) as one, in order.
+
+        Args:
+            records: the `RowGrads` to join.
+            owner: who the records are of, for the error when two of them carry
+                an open vocabulary's choices.
+        """
         if len(records) == 1:
             return records[0]
         changed = [r.changed for r in records if r.changed is not None]
@@ -72,9 +78,9 @@ class RowGrads:
             # Each training call of an open vocabulary chooses rows for its new
             # ids on its own: two calls could give one row to two ids.
             raise ValueError(
-                f"An open-vocabulary table was called {len(changed)} times in one training "
-                "step; its map admits ids once per step. Pass all of the step's features "
-                "in one call (`layer([ids_a, ids_b])` returns one output per feature).")
+                f"{owner} was called {len(changed)} times in one training step; its map "
+                "admits ids once per step. Pass all of the step's features in one call "
+                "(`layer([ids_a, ids_b])` returns one output per feature).")
         read = None
         if all(r.read is not None for r in records):
             read = ops.concatenate([r.read for r in records], axis=0)

@@ -136,16 +136,9 @@ class SparseLookup:
             )
         if not records:
             return None
-        calls = sum(record.changed is not None for _, record in records)
-        if calls > 1:
-            # Each training call of an open vocabulary chooses rows for its new
-            # ids on its own: two calls could give one row to two ids.
-            raise ValueError(
-                f"Layer '{self.layer_name}' (open-vocabulary table '{self.table.path}') was "
-                f"called {calls} times in one training step; its map admits ids once per "
-                "step. Pass all of the step's features in one call (`layer([ids_a, ids_b])` "
-                "returns one output per feature).")
-        return RowGrads.concatenate([record.as_float32() for _, record in records])
+        return RowGrads.concatenate(
+            [record.as_float32() for _, record in records],
+            owner=f"Layer '{self.layer_name}' (open-vocabulary table '{self.table.path}')")
 
     def _forget_other_traces(self, ids):
         # Row gradients recorded in another trace were never applied (e.g.
