@@ -45,7 +45,8 @@ import numpy as np  # noqa: E402
 
 import common  # noqa: E402
 import sparseopt  # noqa: E402
-from sparseopt import native, quantization  # noqa: E402
+from sparseopt import native
+from sparseopt.storage import quantization  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
 RESULTS = HERE / "results"

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparseopt.backend import jax as sparse_jax
-from sparseopt.row_grads import RowGrads
+from sparseopt.records import RowGrads
 
 D, HOT = 32, 8192
 N = int(os.environ.get("PROFILE_IDS", 16_384))  # ids per step

@@ -183,7 +183,7 @@ def int8_table(path, updater):
     """What an int8 table's step cannot do: Lookahead, refused with the fix.
 
     Its rows reach the table only through the step's write buffer, which
-    holds the rows looked up in the step (`sparseopt.int8_table`): a sync
+    holds the rows looked up in the step (`sparseopt.storage.int8_table`): a sync
     inside a step of rows changed earlier has no way in. (Whole-table writes
     between steps, as the end of `fit` makes, assign the table directly.)
 

@@ -6,11 +6,12 @@ import keras
 from keras import ops
 import numpy as np
 
-from sparseopt import accumulation, backend, checks, clipping, compat, routing
+from sparseopt import backend, checks, compat, routing
+from sparseopt.engine import accumulation, clipping
 from sparseopt.discovery import declared_tables, int8_tables
 from sparseopt.keras_rs_tables import adapt
 from sparseopt.ops.row_sources import LookupRows, SlicedRows
-from sparseopt.table_trainer import TableTrainer, group_trainers
+from sparseopt.engine.trainer import TableTrainer, group_trainers
 
 
 @keras.saving.register_keras_serializable(package="sparseopt")
@@ -37,7 +38,7 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
     has its own).
 
     With `group_tables=True`, tables with the same width, dtype and updater
-    configuration are updated together (`sparseopt.table_trainer.TableGroup`:
+    configuration are updated together (`sparseopt.engine.trainer.TableGroup`:
     one dedup pass for all of them), with the results, state and checkpoints
     of updating each alone.
 
@@ -392,6 +393,10 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
         for trainer in self._trainers.values():
             # The wrapped optimizer's rules (set on it, or forwarded from here).
             trainer.decays = compat.uses_weight_decay(self._default_optimizer, trainer.table)
+            # A loss-scale wrapper learns of non-finite row gradients from the
+            # probe's gradient (NaN); without one, nothing reads it.
+            if isinstance(trainer.source, LookupRows):
+                trainer.source.lookup.marks_non_finite = wrapper is not None
         groups, _ = group_trainers(self._trainers.values()) if self.group_tables else ([], [])
         grouped = {id(t) for g in groups for t in g.trainers}
         self._groups = groups

@@ -90,36 +90,35 @@ class LookaheadWindow:
                               new)
         self.count.assign(self.count.value + ops.sum(added))
 
-    def sync(self, table, offset, step, rounding, variable_index):
+    def sync(self, storage, offset, step, row_stream):
         """Syncs the listed rows (`slow + alpha (fast - slow)` into both) and empties the list.
 
         Args:
-            table: the table's variable; `offset`: its `lookahead_offset` slot.
+            storage: the table's `RowStorage`.
+            offset: the name of its `lookahead_offset` slot.
             step: int scalar, the 1-based update count (a multiple of the period).
-            rounding: the table's `sparseopt.precision.Rounding` (16-bit tables).
-            variable_index: the rounding stream of the sync's writes.
+            row_stream: the rounding stream of the sync's row writes (16-bit tables).
         """
         current = lookahead.window(step, self.period)
         window = self.window.value
 
         def update(variables, uniq):
-            table_, offset_ = variables
+            view = storage.over(variables)
             # Entries past `count` (the list's older contents) are not rows of
             # this window unless listed again in it: left alone. A row synced
             # twice is not changed the second time (its offset is 0 by then).
             # (Every entry is a row: `record` lists valid ids only.)
             keep = ops.equal(backend.gather(window, uniq), current)
-            rows = ops.cast(backend.gather(table_.value, uniq), "float32")
-            moved = ops.cast(backend.gather(offset_.value, uniq), "float32")
+            rows, state = view.read(uniq)
+            moved = state[offset]
             new_rows = lookahead.synced(rows, moved, self.step_size)
             # The offsets' zeros computed from the offsets read: a write that
             # did not depend on that read could be ordered before it, and XLA
             # copies the whole slot to allow that. (Offsets are finite: a step
             # with non-finite gradients changes nothing.)
             zeros = moved * 0.0
-            backend.scatter_where(table_, uniq, rounding.stored(
-                new_rows, table_.dtype, step, uniq, variable_index), keep)
-            backend.scatter_where(offset_, uniq, zeros, keep)
+            view.write(uniq, new_rows, {}, step, keep=keep, row_stream=row_stream)
+            view.write(uniq, None, {offset: zeros}, step, keep=keep, rounded=False)
 
-        backend.for_listed_rows(update, [table, offset], self.rows.value, self.count.value)
+        backend.for_listed_rows(update, storage.variables(), self.rows.value, self.count.value)
         self.count.assign(ops.zeros((), "int32"))

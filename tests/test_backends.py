@@ -274,7 +274,7 @@ def test_fill_in_blocks_gives_the_blocks_in_order_on_either_backend():
     if not backend.ROW_SHARDS:
         table = keras.Variable(np.zeros((4, 2), "float32"), name="t")
         with pytest.raises(ValueError, match="'t'.*never split by rows"):
-            backend.on_row_shards(None, None, None, table, {}, None, {}, 1, None, None)
+            backend.on_row_shards(None, None, [table], None, None)
 
 
 @settings(max_examples=25, deadline=None)

@@ -11,7 +11,7 @@ import pytest
 
 import sparseopt
 from sparseopt import backend
-from sparseopt.layers import block_init
+from sparseopt.storage import block_init
 from tests.conftest import to_np
 
 

@@ -178,17 +178,17 @@ def _empty_sparse_apply(model, emb, jit):
     """The optimizer's sparse step on zero ids, eagerly or under `jax.jit`."""
     import jax
 
-    from sparseopt.row_grads import RowGrads
-    from sparseopt.sparse_apply import sparse_apply
+    from sparseopt.engine import plans
+    from sparseopt.records import RowGrads
 
     table = model.optimizer.table_trainer(emb.embeddings)
     variables = [emb.embeddings, *table.slots.values(), table.workspace]
 
     def step(values):
         with keras.StatelessScope(state_mapping=list(zip(variables, values))) as scope:
-            applied = sparse_apply(table.updater, emb.embeddings, table.slots,
-                                   RowGrads(ops.zeros((0,), "int32"), ops.zeros((0, WIDTH))),
-                                   ops.convert_to_tensor(0.5), 1, workspace=table.workspace)
+            prepared = table.prepare(RowGrads(ops.zeros((0,), "int32"), ops.zeros((0, WIDTH))))
+            applied = plans.finish(table.updater, table.row_storage, prepared,
+                                   table.values_at(0), 1)
         return applied, [scope.get_current_value(v) for v in variables]
 
     applied, values = (jax.jit(step) if jit else step)([v.value for v in variables])

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import sparseopt
-from sparseopt import quantization
+from sparseopt.storage import quantization
 from tests import reference
 from tests.conftest import to_np
 from tests.helpers import batches, dot_loss, kinds, registered_cases, table_model

@@ -66,4 +66,4 @@ def test_the_rule_package_imports_no_backend():
                       or n.startswith("sparseopt.backend"))
         assert not hits, f"{module} imports {hits}"
     # The control: the machinery does reach a backend.
-    assert "sparseopt.backend" in _reaches("sparseopt.sparse_apply")
+    assert "sparseopt.backend" in _reaches("sparseopt.engine.stages")

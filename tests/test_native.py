@@ -3,11 +3,13 @@
 JAX on CPU: the dedup and sum (`dedup_sum.cc`, an XLA FFI custom call) gives
 the pure path's `Distinct` and workspace entries exactly, for Hypothesis-drawn
 steps (bad ids, duplicates, empty batches, bags with their weights, signed
-zeros, non-finite gradients); whole training runs (per id, pooled bags, table
-groups, an int8 table, a bfloat16 table with bfloat16 state: the in-place
-writes of `set_rows.cc`) end with the same tables and state bit for bit with
-every kernel on and every kernel off; with them on, a step keeps the
-no-vocabulary-work property (bfloat16 included, without the pure path's copy).
+zeros, non-finite gradients); the row reads and writes (`rows.cc`) give
+`jnp.take(mode="clip")` and `.at[].set(mode="drop")` exactly, for any dtype;
+whole training runs (per id, pooled bags, table groups, an int8 table, a
+bfloat16 table with bfloat16 state: the in-place writes of `rows.cc`) end
+with the same tables and state bit for bit with every kernel on and every
+kernel off; with them on, a step keeps the no-vocabulary-work property
+(bfloat16 included, without the pure path's copy).
 """
 
 import sys
@@ -30,22 +32,27 @@ pytestmark = [pytest.mark.jax_session,
                                  reason="the native kernels are XLA FFI calls (JAX)")]
 
 
+KERNELS = ("bf16_writes", "dedup", "rows")
+
+
 def test_the_kernels_build_and_load_here():
     """On Linux with a C++ compiler (this project's machines) they must: a broken
-    build would otherwise only show as a missing speed-up. Defaults: bfloat16
-    writes on, the dedup off; the switch forces every kernel."""
+    build would otherwise only show as a missing speed-up. Defaults: every JAX
+    kernel on; the switch forces every kernel."""
     assert sys.platform.startswith("linux")
     assert native.build_error() is None and native.available()
-    assert native.enabled("bf16_writes") and not native.enabled("dedup")
+    assert all(native.enabled(k) for k in KERNELS)
     try:
+        native.set_enabled(False)
+        assert not any(native.enabled(k) for k in KERNELS)
         native.set_enabled(True)
-        assert native.enabled("bf16_writes") and native.enabled("dedup")
+        assert all(native.enabled(k) for k in KERNELS)
         with native.disabled():
-            assert not native.enabled("bf16_writes") and not native.enabled("dedup")
+            assert not any(native.enabled(k) for k in KERNELS)
         assert native.enabled("dedup")
     finally:
         native.set_enabled(None)
-    assert native.enabled("bf16_writes") and not native.enabled("dedup")
+    assert all(native.enabled(k) for k in KERNELS)
 
 
 def _dedup(record, num_rows, use_native):
@@ -107,8 +114,8 @@ def drawn_record(case, array):
     _, ids, values, bags = case
     grads = array(values)
     if bags is not None:
-        grads = sparseopt.row_grads.BagGrads(grads, array(bags[0]), array(bags[1]))
-    return sparseopt.row_grads.RowGrads(array(ids), grads)
+        grads = sparseopt.records.BagGrads(grads, array(bags[0]), array(bags[1]))
+    return sparseopt.records.RowGrads(array(ids), grads)
 
 
 def both_dedups(dedup, case, array):
@@ -130,6 +137,49 @@ def test_native_dedup_is_the_pure_dedup_bit_for_bit(case):
     got_space, want_space = both_dedups(_dedup, case, jnp.asarray)
     seen = np.unique(ids[(ids >= 0) & (ids < rows)])
     np.testing.assert_array_equal(got_space[seen], want_space[seen])
+
+
+@st.composite
+def row_moves(draw):
+    """An array of any dtype the state may have, ids to read (any values) and distinct
+    ids to write (some outside the array)."""
+    rows = draw(st.sampled_from([1, 3, 40]))
+    width = draw(st.sampled_from([None, 1, 5]))
+    dtype = draw(st.sampled_from(["float32", "bfloat16", "float16", "int32"]))
+    seed = draw(st.integers(0, 2**16))
+    rng = np.random.default_rng(seed)
+    shape = (rows,) if width is None else (rows, width)
+    n = draw(st.sampled_from([0, 1, 7, 60]))
+    read = rng.integers(-5, rows + 5, n).astype(np.int32)
+    read[rng.random(n) < 0.1] = draw(st.sampled_from([2**31 - 1, -(2**31)]))
+    written = rng.permutation(rows + 10)[:min(n, rows + 10)].astype(np.int32) - 5
+    values = rng.normal(size=shape).astype(np.float32)
+    new = rng.normal(size=(len(written),) + shape[1:]).astype(np.float32)
+    return values, read, written, new, dtype
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=row_moves())
+def test_native_row_reads_and_writes_are_the_pure_ones_bit_for_bit(case):
+    import jax
+    import jax.numpy as jnp
+
+    from sparseopt.backend import jax_rows
+
+    values, read, written, new, dtype = case
+    values, new = jnp.asarray(values).astype(dtype), jnp.asarray(new).astype(dtype)
+
+    def run(use_native):
+        native.set_enabled(use_native)
+        try:
+            step = jax.jit(lambda v, r, w, x: (jax_rows.gather(v, r), jax_rows.set_rows(v, w, x)))
+            return jax.tree_util.tree_map(np.asarray, step(values, jnp.asarray(read),
+                                                           jnp.asarray(written), new))
+        finally:
+            native.set_enabled(None)
+
+    for a, b in zip(run(True), run(False)):
+        _same_bits(a, b)
 
 
 def _train(use_native, dtype=None, combiner=None, group=False, state_dtype="float32"):
@@ -189,11 +239,12 @@ def test_the_native_path_does_no_vocab_work_either(dtype):
         native.set_enabled(None)
 
 
-@pytest.mark.parametrize("value,expected", [("1", "True True"), ("0", "False False"),
-                                            (None, "True False")])
+@pytest.mark.parametrize("value,expected", [("1", "True True True"),
+                                            ("0", "False False False"),
+                                            (None, "True True True")])
 def test_the_environment_switch(value, expected):
     """`SPARSEOPT_NATIVE=1` turns every kernel on for a process, 0 every one off;
-    unset: each at its default (bfloat16 writes on, the dedup off)."""
+    unset: each at its default (on, for the JAX kernels)."""
     import os
     import subprocess
 
@@ -201,7 +252,8 @@ def test_the_environment_switch(value, expected):
     if value is not None:
         env["SPARSEOPT_NATIVE"] = value
     code = ("from sparseopt import native; "
-            "print(native.enabled('bf16_writes'), native.enabled('dedup'))")
+            "print(native.enabled('bf16_writes'), native.enabled('dedup'), "
+            "native.enabled('rows'))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.strip().splitlines()
     assert out[-1] == expected
@@ -220,14 +272,14 @@ def test_a_failed_build_is_said_once_and_the_pure_path_runs():
         "logging.basicConfig(level=logging.WARNING)\n"
         # Flags no build was made with: a fresh key, so a build is attempted.
         "native.FLAGS = native.FLAGS + ('-DSPARSEOPT_TEST_NO_SUCH_BUILD',)\n"
-        "print([native.enabled(k) for k in ('bf16_writes', 'dedup', 'tf_dedup') * 2])\n"
+        "print([native.enabled(k) for k in ('bf16_writes', 'dedup', 'rows', 'tf_dedup') * 2])\n"
         "print(native.build_error() is not None, native.build_error('tensorflow') is not None)\n"
     )
     env = dict(os.environ, CXX="false", SPARSEOPT_NATIVE="1")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           check=True)
     out = done.stdout.strip().splitlines()
-    assert out[-2:] == [str([False] * 6), "True True"]
+    assert out[-2:] == [str([False] * 8), "True True"]
     assert done.stderr.count("native kernels unavailable, using the pure path") == 1
     assert done.stderr.count("native TensorFlow ops unavailable, using the pure path") == 1
 

@@ -70,7 +70,7 @@ def test_more_ids_than_the_scatter_runs_serially_for():
     ids = rng.integers(0, 800, n).astype(np.int64)
     ids[rng.random(n) < 0.01] = -1
     values = rng.normal(size=(n, 8)).astype(np.float32)
-    record = sparseopt.row_grads.RowGrads(tf.constant(ids), tf.constant(values))
+    record = sparseopt.records.RowGrads(tf.constant(ids), tf.constant(values))
     (uniq, summed, count), _ = _dedup(record, rows, True)
     (want_uniq, want_summed, want_count), _ = _dedup(record, rows, False)
     assert count == want_count == len(np.unique(ids[ids >= 0]))

@@ -13,7 +13,7 @@ import pytest
 from keras import ops
 
 import sparseopt
-from sparseopt import precision
+from sparseopt.storage import precision
 from tests import reference
 from tests.conftest import to_np
 from tests.helpers import batches, dot_loss, table_model

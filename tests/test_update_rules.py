@@ -314,7 +314,7 @@ def test_backend_dedup_matches_numpy_unique_and_sum(stale, num_rows, xla, compil
     compiled by XLA (on TF, where its dynamic shapes once lost valid ids; and
     TF's dedup of few ids, which runs op by op, forced to its compiled form)."""
     from sparseopt import backend
-    from sparseopt.row_grads import RowGrads
+    from sparseopt.records import RowGrads
 
     if keras.backend.backend() == "tensorflow" and compiled:
         from sparseopt.backend import tensorflow as tf_backend

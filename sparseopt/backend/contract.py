@@ -7,12 +7,46 @@ lacks is a flag (`SPARSE_GRADIENTS`, `FILLS_IN_BLOCKS`, `ROW_SHARDS`) beside
 a function that still does what its entry says where the flag is false.
 """
 
+import dataclasses
+from typing import Callable
+
+# The stages of a table's step, in order (`sparseopt.engine.stages`).
+STAGES = ("distinct", "read", "rule", "write")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """A native kernel that replaces consecutive stages of a table's step.
+
+    Args:
+        name: what it is called in messages and switches.
+        stages: the consecutive `STAGES` it does in one call.
+        applies: `applies(**context) -> bool`, whether it runs for this step
+            (the engine passes what it knows: `record`, `workspace`,
+            `updater`, `storage`).
+        run: the call; its arguments and result are those of the stages it
+            replaces (`sparseopt.engine.kernels` documents each).
+    """
+
+    name: str
+    stages: tuple
+    applies: Callable
+    run: Callable
+
+    def __post_init__(self):
+        start = STAGES.index(self.stages[0])
+        if tuple(self.stages) != STAGES[start:start + len(self.stages)]:
+            raise ValueError(f"Kernel '{self.name}': stages {self.stages} are not consecutive "
+                             f"stages of {STAGES}.")
+
+
 # name -> what it is. Functions unless the name is in capitals.
 CONTRACT = {
     # The lookup.
-    "tap": "`tap(rows, probe, ids, on_backward, aux=None)`: identity on `rows`; its backward "
-           "pass hands the row cotangent to `on_backward(ids, grads, aux)` and gives `probe` "
-           "the cotangent 1 (NaN when the row cotangent is not finite).",
+    "tap": "`tap(rows, probe, ids, on_backward, aux=None, marks=True)`: identity on `rows`; "
+           "its backward pass hands the row cotangent to `on_backward(ids, grads, aux)` and "
+           "gives `probe` the cotangent 1 (where `marks`, NaN when the row cotangent is not "
+           "finite).",
     "PROBE_IS_WEIGHT": "whether the probe must be a weight of its layer for Keras' train step "
                        "to differentiate it (TF), or can be layer state (JAX).",
     "read_rows": "`read_rows(table, ids)`: the forward lookup, with no gradient to `table`.",
@@ -24,28 +58,30 @@ CONTRACT = {
     "gather_from_resource": "`gather_from_resource(variable, ids)`: a gather of a variable's "
                             "rows whose gradient is sparse where `SPARSE_GRADIENTS`.",
     # The step, from record to rows.
-    "native_step": "`native_step(updater, table, slots, record, values, step, workspace, "
-                   "rounding)`: the kernel seam before dedup: a native kernel that does dedup, "
-                   "sums and writes of a whole `RowGrads` itself returns whether it applied; "
-                   "None where there is none.",
+    "KERNELS": "the backend's native kernels, a tuple of `Kernel`s (possibly empty), each "
+               "replacing consecutive stages of the step where it applies "
+               "(`sparseopt.engine.kernels`).",
     "dedup": "`dedup(record, num_rows, workspace)`: the `Distinct` rows of a `RowGrads` "
              "(gradients of equal ids summed, ids outside `[0, num_rows)` dropped, the `count` "
-             "distinct ids first).",
+             "distinct ids first): the pure path, and the reference of any dedup kernel.",
+    "padding_ids": "`padding_ids(num_rows, n)`: `n` ids past a table of `num_rows` rows "
+                   "(distinct where they fit in int32), which gathers clamp and scatters drop.",
     "WORKSPACE": "whether `dedup` needs `workspace`, a persistent int32 variable with one "
                  "entry per row plus `WORKSPACE_SINK`.",
     "WORKSPACE_SINK": "extra workspace entries (TF: one, where invalid ids write).",
-    "split_by_table": "`split_by_table(distinct, offsets, sizes)`: a group's `Distinct` (ids "
-                      "shifted by table `offsets`) cut into each table's own, in its rows "
-                      "(`sizes`: static bounds on each table's distinct ids).",
+    "dedup_tables": "`dedup_tables(records, num_rows, workspace, dedup)`: one dedup of several "
+                    "tables' `RowGrads` (a group; `workspace` has an entry per row of them "
+                    "all): a `Stacked` with each table's `Distinct` in its own rows, as its "
+                    "own `dedup` would give it. `dedup` is the stage that deduplicates one "
+                    "record (the pure path or a kernel), for backends that dedup the tables' "
+                    "ids concatenated.",
     "for_distinct_rows": "`for_distinct_rows(update, variables, distinct)`: runs the "
                          "gather-rule-scatter `update(variables, ids, grads)` on the `count` "
                          "distinct entries only (JAX: in chunks of `DISTINCT_CHUNK`).",
-    "sum_over_distinct_rows": "`sum_over_distinct_rows(contribute, values, distinct)`: "
-                              "`contribute(values, ids, grads)` (`{name: [U, ...]}`) summed "
-                              "over the `count` distinct entries only (whole slots' updates).",
-    "fused_apply": "`fused_apply(updater, table, slots, distinct, values, finite)`: applies the "
-                   "rule with the backend's own kernel where one computes exactly it (TF); "
-                   "False where there is none.",
+    "sum_over_distinct_rows": "`sum_over_distinct_rows(contribute, distinct, num_rows)`: "
+                              "`contribute(ids, grads)` (`{name: [U, ...]}`) summed over the "
+                              "`count` distinct entries only, in `for_distinct_rows`' chunks "
+                              "(whole slots' updates; `num_rows`: the table's).",
     "materialize": "`materialize(values)`: `values` computed before their consumer (keeps the "
                    "rule out of XLA:CPU's scatter loop).",
     "gather": "`gather(value, ids)`: touched rows of an array (ids clamped).",
@@ -77,9 +113,10 @@ CONTRACT = {
     "ROW_SHARDS": "whether tables can be split by rows over devices.",
     "row_shards": "`row_shards(variable)`: `(mesh, axis)` where its rows are split over one "
                   "mesh axis, else None (always None where not `ROW_SHARDS`).",
-    "on_row_shards": "`on_row_shards(apply, shards, updater, table, slots, record, carried, "
-                     "step, workspace, rounding)`: `apply` run on each shard with the ids it "
-                     "owns; `slots` split by rows like the table, `carried` replicated.",
+    "on_row_shards": "`on_row_shards(run, shards, variables, record, carried)`: "
+                     "`run(blocks, record, carried, first_row)` on each shard, with its blocks "
+                     "of `variables` (each split by rows like the table), the ids it owns as "
+                     "local rows and `carried` whole; returns the shards' (equal) result.",
     # Replicas that each hold a copy (TF distribution strategies).
     "replica_strategy": "`replica_strategy()`: `(name, replicas, supported)` of a strategy whose "
                         "replicas each run their own copy of the step and hold their own copy "

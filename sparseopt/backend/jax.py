@@ -14,17 +14,19 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sparseopt.backend import jax_native, jax_sharding
+from sparseopt.backend.contract import Kernel
 from sparseopt.backend.jax_dedup import first_occurrences, first_true  # noqa: F401
 from sparseopt.backend.jax_rows import (  # noqa: F401 (bitcast, gather...: the contract)
     Held, bitcast, distinct_padding, gather, gather_rows, padding_ids)
 from sparseopt.backend.jax_writes import scatter, scatter_min, scatter_where  # noqa: F401
 from sparseopt.backend.jax_sharding import ROW_SHARDS, on_row_shards, row_shards  # noqa: F401
-from sparseopt.row_grads import Distinct
+from sparseopt.records import Distinct, Stacked, concatenate, rows_of
 
 
-def tap(rows, probe, ids, on_backward, aux=None):
+def tap(rows, probe, ids, on_backward, aux=None, marks=True):
     @jax.custom_vjp
     def _tap(rows, probe, ids, aux):
         return rows
@@ -35,7 +37,7 @@ def tap(rows, probe, ids, on_backward, aux=None):
     def _bwd(residuals, g):
         ids, aux = residuals
         on_backward(ids, g, aux)
-        marker = jnp.where(jnp.all(jnp.isfinite(g)), 1.0, jnp.nan)
+        marker = jnp.where(jnp.all(jnp.isfinite(g)), 1.0, jnp.nan) if marks else jnp.ones(())
         return None, marker.astype(probe.dtype), None, None
 
     _tap.defvjp(_fwd, _bwd)
@@ -84,8 +86,6 @@ def dedup(record, num_rows, workspace):
         num_rows: the table's row count.
         workspace: int32 Keras variable with at least `num_rows` entries.
     """
-    if jax_native.applies(workspace):  # the same result in one native pass
-        return jax_native.dedup(record, num_rows, workspace)
     n = record.ids.shape[0]
     ids = record.ids.astype(jnp.int32)
     position = jnp.arange(n, dtype=jnp.int32)
@@ -139,32 +139,30 @@ def for_distinct_rows(update, variables, distinct):
         var.assign(value)
 
 
-def sum_over_distinct_rows(contribute, values, distinct):
-    """`contribute(values, ids, grads)` summed over the `distinct.count` first entries.
+def sum_over_distinct_rows(contribute, distinct, num_rows):
+    """`contribute(ids, grads)` summed over the `distinct.count` first entries.
 
     `contribute` returns `{name: [U, ...]}`, one contribution per entry; the
     entries are taken in the chunks `for_distinct_rows` takes, and padding
     entries (from `count` on, whose gathered rows are clamped real rows)
-    add nothing. `values`: arrays, the table's first.
+    add nothing. `num_rows`: the table's rows.
     """
     def masked(parts, start, length):
         keep = start + jnp.arange(length, dtype=jnp.int32) < distinct.count
         return {k: jnp.sum(jnp.where(keep.reshape((-1,) + (1,) * (v.ndim - 1)), v, 0), axis=0)
                 for k, v in parts.items()}
 
-    chunks = _chunks(distinct, values[0].shape[0])
+    chunks = _chunks(distinct, num_rows)
     if chunks is None:
-        return masked(contribute(values, distinct.ids, distinct.grads), 0,
-                      distinct.ids.shape[0])
+        return masked(contribute(distinct.ids, distinct.grads), 0, distinct.ids.shape[0])
     take, trips = chunks
 
     def chunk(i, total):
         start, ids, grads = take(i)
-        part = masked(contribute(values, ids, grads), start, DISTINCT_CHUNK)
+        part = masked(contribute(ids, grads), start, DISTINCT_CHUNK)
         return {k: total[k] + part[k] for k in total}
 
-    shapes = jax.eval_shape(lambda: masked(contribute(values, *take(0)[1:]), 0,
-                                           DISTINCT_CHUNK))
+    shapes = jax.eval_shape(lambda: masked(contribute(*take(0)[1:]), 0, DISTINCT_CHUNK))
     zeros = {k: jnp.zeros(v.shape, v.dtype) for k, v in shapes.items()}
     return jax.lax.fori_loop(0, trips, chunk, zeros)
 
@@ -219,30 +217,75 @@ def for_listed_rows(update, variables, ids, count):
         var.assign(value)
 
 
-def split_by_table(distinct, offsets, sizes):
-    """Each table's part of a group's `dedup`, as that table's own `dedup` result.
+def dedup_tables(records, num_rows, workspace, dedup=None):
+    """One dedup of several tables' steps (a group), each table's result in a range of its own.
 
-    `uniq` holds the distinct shifted ids table by table (then padding ids
-    `>= offsets[-1]`), so a binary search finds where each table's run
-    starts. Table `t` gets `sizes[t]` entries (a static bound on its distinct
-    ids): its ids less `offsets[t]`, then distinct padding ids `>=` its row
-    count with zero gradient, as `for_distinct_rows` takes them.
+    `dedup`'s algorithm over all the tables' ids at once, shifted into one id
+    space (table `t`'s rows after table `t-1`'s, one workspace), with each
+    table's distinct ids numbered from the start of its own range of
+    `size_t = min(ids_t, rows_t)` entries: table `t`'s `Distinct` is one
+    static slice of one array, exactly what `dedup` of that table alone gives
+    (the same ids in the same order, the same sums, the same padding ids),
+    with no search and no split. One scatter, gather, running count and
+    segment sum serve every table: a compiled step holds a few kernels for
+    the group instead of a dozen per table.
+
+    Args:
+        records: one float32 `RowGrads` per table, in its own rows.
+        num_rows: each table's row count.
+        workspace: int32 Keras variable with at least `sum(num_rows)` entries.
+        dedup: unused (the native dedup knows no ranges: a group takes this
+            path either way).
 
     Returns:
-        A list of `Distinct`, one per table.
+        `Stacked`: each table's `Distinct`, and the whole arrays.
     """
-    uniq, summed, _ = distinct
-    bounds = jnp.searchsorted(uniq, jnp.asarray(offsets, uniq.dtype), side="left")
-    parts = []
-    for t, size in enumerate(sizes):
-        start, stop = bounds[t], bounds[t + 1]
-        index = start + jnp.arange(size, dtype=jnp.int32)
-        mine = index < stop
-        ids = jnp.where(mine, jnp.take(uniq, index, mode="clip") - offsets[t],
-                        padding_ids(offsets[t + 1] - offsets[t], size))
-        grads = jnp.where(mine[:, None], jnp.take(summed, index, axis=0, mode="clip"), 0.0)
-        parts.append(Distinct(ids, grads, (stop - start).astype(jnp.int32)))
-    return parts
+    counts = [r.ids.shape[0] for r in records]
+    sizes = [min(n, v) for n, v in zip(counts, num_rows)]
+    offsets = np.cumsum([0] + list(num_rows))  # each table's first shifted id
+    starts = np.cumsum([0] + counts)  # its first position in the step's ids
+    ranges = np.cumsum([0] + sizes)  # its first entry in the result
+    total, size = int(offsets[-1]), int(ranges[-1])
+    shifted = []
+    for record, rows, offset in zip(records, num_rows, offsets):
+        ids = record.ids.astype(jnp.int32).reshape(-1)
+        shifted.append(jnp.where((ids >= 0) & (ids < rows), ids + int(offset), total))
+    ids = jnp.concatenate(shifted)
+    n = ids.shape[0]
+    position = jnp.arange(n, dtype=jnp.int32)
+    table_of = _which(position, starts)
+    valid = ids < total
+    space = workspace.value
+    space = space.at[jnp.where(valid, ids, space.shape[0])].set(position, mode="drop")
+    workspace.assign(space)
+    representative = jnp.where(valid, jnp.take(space, ids, mode="clip"), n)
+    is_first = representative == position
+    running = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                               jnp.cumsum(is_first, dtype=jnp.int32)])
+    base = running[starts[:-1]]  # each table's firsts before its first position
+    found = running[starts[1:]] - base
+    slot = running[1:] - 1 - base[table_of] + jnp.asarray(ranges[:-1], jnp.int32)[table_of]
+    segment = jnp.where(valid, jnp.take(slot, representative, mode="clip"), size)
+    grads = rows_of(concatenate([r.grads for r in records]))  # (bags expanded in the sum)
+    summed = jax.ops.segment_sum(grads, segment, num_segments=size)
+    # A zero sum is +0.0, as `dedup` makes it.
+    summed = jnp.where(summed == 0, jnp.zeros((), summed.dtype), summed)
+    entry = jnp.arange(size, dtype=jnp.int32)
+    range_of = _which(entry, ranges)
+    padding = (jnp.asarray(num_rows, jnp.int32)[range_of]
+               + entry - jnp.asarray(ranges[:-1], jnp.int32)[range_of])
+    local = ids - jnp.asarray(offsets[:-1], jnp.int32)[table_of]
+    uniq = padding.at[jnp.where(is_first, slot, size)].set(local, mode="drop")
+    parts = [Distinct(uniq[a:b], summed[a:b], found[t])
+             for t, (a, b) in enumerate(zip(ranges[:-1], ranges[1:]))]
+    return Stacked(parts, uniq, summed, found)
+
+
+def _which(index, starts):
+    """For int32 `index` `[N]`, the part each falls in, of parts starting at `starts`
+    (static, ascending, from 0, with the end last): one compare per part."""
+    bounds = jnp.asarray(starts[1:-1], jnp.int32)
+    return jnp.sum(index[:, None] >= bounds[None, :], axis=1, dtype=jnp.int32)
 
 
 def materialize(values):
@@ -442,11 +485,9 @@ def trace_forward(model, find_batch):
         jax.eval_shape(lambda x: model(x, training=True), spec)
 
 
-def native_step(updater, table, slots, record, values, step, workspace, rounding):
-    """None: no native kernel replaces dedup, sums and writes on JAX (yet)."""
-    return None
-
-
-def fused_apply(updater, table, slots, distinct, values, finite):
-    """XLA fuses gather, rule and scatter itself: there is no kernel to call."""
-    return False
+# The native kernels (`sparseopt.native`): the dedup and sum as one XLA FFI call,
+# the same `Distinct` and workspace bit for bit (off by default: measured no
+# faster). bfloat16 row writes are the rows' own (`jax_rows.set_rows`).
+KERNELS = (Kernel("native_dedup", ("distinct",),
+                  lambda workspace=None, **_: jax_native.applies(workspace),
+                  jax_native.dedup),)

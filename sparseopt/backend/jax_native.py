@@ -3,8 +3,9 @@
 `dedup` is `jax.py`'s `dedup` as one XLA FFI custom call: the same `Distinct`
 and the same workspace entries, bit for bit, with no segment sum over an
 `[ids, width]` buffer. The workspace is aliased to the call's output:
-written in place. `set_rows_bf16` is `jax_rows.set_rows` of a bfloat16 array,
-written in place (XLA:CPU would copy the array around its scatter).
+written in place. `take_rows` and `put_rows` are `jax_rows.gather` and
+`jax_rows.set_rows` of any array, byte for byte, the writes in place (for
+bfloat16 arrays too, which XLA:CPU would copy around its scatter).
 """
 
 import jax
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 
 from sparseopt import native
 from sparseopt.backend import jax_sharding
-from sparseopt.row_grads import BagGrads, Distinct
+from sparseopt.records import BagGrads, Distinct
 
 
 def applies(workspace):
@@ -22,6 +23,31 @@ def applies(workspace):
     return (native.enabled("dedup") and jax.default_backend() == "cpu"
             and jax_sharding.row_shards(workspace) is None
             and jax_sharding.replicated_on_mesh_of(workspace) is None)
+
+
+def moves_rows():
+    """Whether a step's row reads and writes run natively (`rows.cc`): kernels on, JAX
+    on CPU, no `keras.distribution` placing arrays (a custom call on an array split
+    or replicated over a mesh would be computed on a whole copy)."""
+    import keras
+
+    return (native.enabled("rows") and jax.default_backend() == "cpu"
+            and keras.distribution.distribution() is None)
+
+
+def take_rows(value, ids):
+    """`jnp.take(value, ids, axis=0, mode="clip")` by the native call (any dtype)."""
+    ids = ids.astype(jnp.int32).reshape(-1)
+    return jax.ffi.ffi_call("sparseopt_take_rows",
+                            jax.ShapeDtypeStruct((ids.shape[0],) + value.shape[1:], value.dtype),
+                            vmap_method="sequential")(value, ids)
+
+
+def put_rows(value, ids, rows):
+    """`value.at[ids].set(rows, mode="drop")` by the native call, in place (any dtype)."""
+    return jax.ffi.ffi_call("sparseopt_put_rows", jax.ShapeDtypeStruct(value.shape, value.dtype),
+                            input_output_aliases={0: 0}, vmap_method="sequential")(
+        value, ids.astype(jnp.int32).reshape(-1), rows.astype(value.dtype))
 
 
 def writes_bf16():
@@ -57,12 +83,3 @@ def dedup(record, num_rows, workspace):
 
 def _width(grads):
     return (grads.values if isinstance(grads, BagGrads) else grads).shape[-1]
-
-
-def set_rows_bf16(value, ids, rows):
-    """`value` (bfloat16 `[V, D]`) with rows `ids` set to `rows`, written in place by the
-    native call (ids past the end dropped; `set_rows_bf16` in `set_rows.cc`)."""
-    return jax.ffi.ffi_call("sparseopt_set_rows_bf16",
-                            jax.ShapeDtypeStruct(value.shape, value.dtype),
-                            input_output_aliases={0: 0}, vmap_method="sequential")(
-        value, ids.astype(jnp.int32).reshape(-1), rows.astype(value.dtype))

@@ -25,6 +25,11 @@ def distinct_padding(num_rows, n):
 
 
 def gather(value, ids):
+    if ids.ndim == 1 and value.ndim >= 1:
+        from sparseopt.backend import jax_native  # (it imports this module)
+
+        if jax_native.moves_rows():  # one call, compiled once for every array
+            return jax_native.take_rows(value, ids)
     return gather_rows(value, ids, mode="clip")
 
 
@@ -39,11 +44,14 @@ def bitcast(values, dtype):
 
 def set_rows(value, ids, rows, unique=False):
     """`value` with `value[ids] = rows` (ids past the end dropped)."""
-    if _bits_on_this_platform(value.dtype) and ids.ndim == 1 and value.ndim == 2:
+    if ids.ndim == 1 and value.ndim >= 1:
         from sparseopt.backend import jax_native  # (it imports this module)
 
-        if jax_native.writes_bf16():  # in place, no copy of the array
-            return jax_native.set_rows_bf16(value, ids, rows)
+        if jax_native.moves_rows():  # in place, one call compiled once for every array
+            return jax_native.put_rows(value, ids, rows)
+        if (_bits_on_this_platform(value.dtype) and value.ndim == 2
+                and jax_native.writes_bf16()):  # in place, no copy of the array
+            return jax_native.put_rows(value, ids, rows)
     new = _as_bits(value).at[ids].set(_as_bits(rows.astype(value.dtype)), mode="drop",
                                       unique_indices=unique)
     return _as_stored(new, value.dtype)

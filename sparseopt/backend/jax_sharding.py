@@ -1,7 +1,7 @@
 """JAX row sharding: tables split by rows over a mesh axis, updated shard by shard,
 with each id routed to the shard that owns its row.
 
-`sparse_apply` runs a table's update on each shard (`on_row_shards`) with the
+`sparseopt.engine.plans` runs a table's update on each shard (`on_row_shards`) with the
 ids that shard owns; a lookup reads each id from its owner (`routed_read`).
 Other layouts are left to XLA's partitioner (`row_shards` is None for them).
 """
@@ -14,7 +14,7 @@ import numpy as np
 
 from sparseopt import compat
 from sparseopt.backend.jax_rows import Held, gather_rows
-from sparseopt.row_grads import RowGrads
+from sparseopt.records import RowGrads
 
 
 # keras.distribution may split a table by rows over a mesh axis.
@@ -66,9 +66,8 @@ def route_capacity(num_ids, shards):
     return max(1, min(num_ids, math.ceil(ROUTE_CAPACITY * share + 4 * math.sqrt(share))))
 
 
-def on_row_shards(apply, shards, updater, table, slots, record, carried, step,
-                  workspace, rounding):
-    """Runs `apply` on each row shard of `table`, with the ids that shard owns.
+def on_row_shards(run, shards, variables, record, carried):
+    """Runs `run` on each row shard of `variables`, with the ids that shard owns.
 
     Two ways, the same result (`ROUTE_MIN_SHARDS`):
 
@@ -83,57 +82,45 @@ def on_row_shards(apply, shards, updater, table, slots, record, carried, step,
     - every shard receives all of the step's `(ids, grads)` (one all-gather
       of the batch's rows, never of a table) and keeps its own.
 
-    Each shard updates its blocks of the table, its state and its dedup
-    workspace in place, on its ids as local row numbers. `slots`: the state
-    split by rows like the table (whole-table state is replicated and
-    updated before, by `sparse_apply`). `carried` (the step's
-    hyperparameters, any pytree) goes to every shard whole. Ids no shard owns
-    (invalid) are dropped. Stochastic rounding keys its bits by global row
-    (`rounding.at_offset`).
+    `run(blocks, record, carried, first_row)` updates the shard's blocks of
+    `variables` in place (stand-ins with `value` and `assign`) from the
+    `RowGrads` of the ids it owns, as local row numbers, and returns whether
+    it applied them. `variables` are split by rows like the table (the table,
+    its per-row state, its dedup workspace); `carried` (any pytree: the
+    step's hyperparameters, its count) goes to every shard whole. Ids no
+    shard owns (invalid) are dropped.
     """
     mesh, axis = shards
-    n, rows = mesh.shape[axis], table.shape[0] // mesh.shape[axis]
-    names = sorted(slots)
+    n, rows = mesh.shape[axis], variables[0].shape[0] // mesh.shape[axis]
     ids, grads = record.ids, record.rows()
     batch_axis = _batch_axis(mesh, ids.shape[0])
     route = batch_axis is not None and n >= ROUTE_MIN_SHARDS
 
-    def update(values, local_ids, local_grads, hyper, step, start):
-        block, state, space = values
-        block, space = Held(block), Held(space)
-        state = {name: Held(v) for name, v in zip(names, state)}
-        applied = apply(updater, block, state, RowGrads(local_ids, local_grads), hyper, step,
-                        space, rounding.at_offset(start))
-        return (block.value, [state[k].value for k in names], space.value), applied
+    def update(values, local_ids, local_grads, carried, start):
+        blocks = [Held(v) for v in values]
+        applied = run(blocks, RowGrads(local_ids, local_grads), carried, start)
+        return [b.value for b in blocks], applied
 
-    def local(block, state, space, ids, grads, hyper, step):
+    def local(blocks, ids, grads, carried):
         start = jax.lax.axis_index(axis) * rows
         ids = ids.astype(jnp.int32)
-        values = (block, state, space)
         if not route:
             if batch_axis is not None:  # this device's part of the batch -> all of it
                 ids = jax.lax.all_gather(ids, batch_axis, tiled=True)
                 grads = jax.lax.all_gather(grads, batch_axis, tiled=True)
             mine = (ids >= start) & (ids < start + rows)
-            values, applied = update(values, jnp.where(mine, ids - start, -1), grads,
-                                     hyper, step, start)
-        else:
-            values, applied = _routed(update, values, ids, grads, hyper, step, start,
-                                      mesh, axis, batch_axis, rows)
-        return (*values, applied)
+            return update(blocks, jnp.where(mine, ids - start, -1), grads, carried, start)
+        return _routed(update, blocks, ids, grads, carried, start, mesh, axis, batch_axis,
+                       rows)
 
     split, whole = jax.sharding.PartitionSpec(axis), jax.sharding.PartitionSpec()
     batch = jax.sharding.PartitionSpec(batch_axis) if batch_axis is not None else whole
-    new_table, new_state, new_space, applied = jax.shard_map(
-        local, mesh=mesh,
-        in_specs=(split, [split] * len(names), split, batch, batch, whole, whole),
-        out_specs=(split, [split] * len(names), split, whole), check_vma=False,
-    )(table.value, [slots[n].value for n in names], workspace.value, ids, grads,
-      carried, step)
-    table.assign(new_table)
-    for name, value in zip(names, new_state):
-        slots[name].assign(value)
-    workspace.assign(new_space)
+    blocks, applied = jax.shard_map(
+        local, mesh=mesh, in_specs=([split] * len(variables), batch, batch, whole),
+        out_specs=([split] * len(variables), whole), check_vma=False,
+    )([v.value for v in variables], ids, grads, carried)
+    for variable, block in zip(variables, blocks):
+        variable.assign(block)
     return applied
 
 
@@ -174,8 +161,7 @@ def _owner_runs(keys, first_row, owners, rows):
     return order, segment, distinct, edge[:-1], edge[1:]
 
 
-def _routed(update, values, ids, grads, hyper, step, start, mesh, axis, batch_axis,
-            rows):
+def _routed(update, values, ids, grads, carried, start, mesh, axis, batch_axis, rows):
     """The routed way of `on_row_shards`, inside `shard_map`: `(values, applied)`.
 
     `batch_axis` (not None) splits the batch; `axis` splits the rows.
@@ -222,7 +208,7 @@ def _routed(update, values, ids, grads, hyper, step, start, mesh, axis, batch_ax
         got_ids = got_ids.reshape(-1)
         local = jnp.where(got_ids >= 0, got_ids - start, -1)
         values, ok = update(values, local, got_grads.reshape(local.shape[0], -1),
-                            hyper, step, start)
+                            carried, start)
         sent = sent + jnp.sum(take, axis=1, dtype=jnp.int32)
         more = jax.lax.pmax(jnp.any(begin + sent < end).astype(jnp.int32),
                             tuple(mesh.axis_names)) > 0

@@ -10,19 +10,23 @@ import keras
 import tensorflow as tf
 from sparseopt import compat
 from sparseopt.backend import tensorflow_kernels, tensorflow_native
-from sparseopt.row_grads import BagGrads, Distinct, RowGrads
+from sparseopt.backend.contract import Kernel
+from sparseopt.records import BagGrads, Distinct, RowGrads, Stacked
 
 
-def tap(rows, probe, ids, on_backward, aux=None):
+def tap(rows, probe, ids, on_backward, aux=None, marks=True):
     @tf.custom_gradient
     def _tap(rows, probe):
         def grad(g):
             on_backward(ids, g, aux)
+            if not marks:
+                return None, tf.ones_like(probe)
             # Over all replicas: Keras' LossScaleOptimizer decides on the
             # first replica's gradients only (MirroredStrategy).
             infinite = tf.cast(tf.logical_not(tf.reduce_all(tf.math.is_finite(g))), tf.int32)
             finite = tf.equal(sum_over_replicas(infinite), 0)
-            marker = tf.where(finite, tf.constant(1.0, probe.dtype), tf.constant(float("nan"), probe.dtype))
+            marker = tf.where(finite, tf.constant(1.0, probe.dtype),
+                              tf.constant(float("nan"), probe.dtype))
             return None, marker
 
         return tf.identity(rows), grad
@@ -87,8 +91,6 @@ def dedup(record, num_rows, workspace):
         num_rows: the table's row count.
         workspace: int32 Keras variable with `num_rows + WORKSPACE_SINK` entries.
     """
-    if tensorflow_native.applies(record):  # the same result in one native op
-        return tensorflow_native.dedup(record, num_rows, local(workspace))
     grads = record.grads
     ids = tf.cast(record.ids, tf.int64)
     num_rows = tf.constant(num_rows, tf.int64)
@@ -158,26 +160,37 @@ def for_distinct_rows(update, variables, distinct):
     update(variables, distinct.ids, distinct.grads)
 
 
-def sum_over_distinct_rows(contribute, values, distinct):
-    """`contribute(values, ids, grads)` (`{name: [U, ...]}`) summed over the distinct
-    rows: `dedup`'s result is exactly those."""
-    parts = contribute(values, distinct.ids, distinct.grads)
+def sum_over_distinct_rows(contribute, distinct, num_rows):
+    """`contribute(ids, grads)` (`{name: [U, ...]}`) summed over the distinct rows:
+    `dedup`'s result is exactly those."""
+    parts = contribute(distinct.ids, distinct.grads)
     return {k: tf.reduce_sum(v, axis=0) for k, v in parts.items()}
 
 
-def split_by_table(distinct, offsets, sizes):
-    """Each table's part of a group's `dedup`: a list of `Distinct`.
-
-    One `dynamic_partition` by table (which, unlike slicing at computed
-    bounds, also compiles inside an XLA cluster).
-    """
-    uniq = distinct.ids
-    starts = tf.constant(offsets[:-1], uniq.dtype)
+def dedup_tables(records, num_rows, workspace, dedup):
+    """One dedup of a group's records: their ids shifted into one id space (table
+    `t`'s rows after table `t-1`'s; invalid ids in no table), `dedup` of them all
+    (the pure path or the native op), then each table's part cut out by one
+    `dynamic_partition` (which, unlike slicing at computed bounds, also compiles
+    inside an XLA cluster). Its distinct ids are in the order `dedup` numbers
+    them; the parts have no ranges (`stride` None)."""
+    offsets, total = [], 0
+    for rows in num_rows:
+        offsets.append(total)
+        total += rows
+    shifted = []
+    for record, rows, offset in zip(records, num_rows, offsets):
+        ids = tf.cast(record.ids, tf.int64)
+        valid = (ids >= 0) & (ids < rows)
+        shifted.append(RowGrads(tf.where(valid, ids + offset, total), record.grads))
+    found = dedup(RowGrads.concatenate(shifted), total, workspace)
+    uniq = found.ids
+    starts = tf.constant(offsets, uniq.dtype)
     table = tf.searchsorted(starts[1:], uniq, side="right")
     local = uniq - tf.gather(starts, table)
-    ids = tf.dynamic_partition(local, table, len(sizes))
-    grads = tf.dynamic_partition(distinct.grads, table, len(sizes))
-    return [Distinct(i, g, tf.size(i)) for i, g in zip(ids, grads)]
+    ids = tf.dynamic_partition(local, table, len(records))
+    grads = tf.dynamic_partition(found.grads, table, len(records))
+    return Stacked([Distinct(i, g, tf.size(i)) for i, g in zip(ids, grads)])
 
 
 def materialize(values):
@@ -207,10 +220,9 @@ def row_shards(variable):
     return None
 
 
-def on_row_shards(apply, shards, updater, table, slots, record, carried, step, workspace,
-                  rounding):
-    raise ValueError(f"Table '{table.path}': TensorFlow tables are never split by rows over "
-                     "devices (`row_shards` is None for every table here).")
+def on_row_shards(run, shards, variables, record, carried):
+    raise ValueError(f"Table '{variables[0].path}': TensorFlow tables are never split by rows "
+                     "over devices (`row_shards` is None for every table here).")
 
 
 def replica_strategy():
@@ -522,38 +534,27 @@ def trace_forward(model, find_batch):
     pass, so every lookup has seen the step's shapes by then."""
 
 
-def native_step(updater, table, slots, record, values, step, workspace, rounding):
-    """None: no native kernel replaces dedup, sums and writes on TensorFlow (yet)."""
-    return None
+def padding_ids(num_rows, n):
+    return num_rows + tf.range(n, dtype=tf.int32)
 
 
-def fused_apply(updater, table, slots, distinct, values, finite):
-    """Applies `updater` with TensorFlow's own sparse-apply kernel, if one fits.
-
-    Args:
-        updater: the `Updater`.
-        table: the Keras table variable.
-        slots: dict slot name -> Keras state variable.
-        distinct: the `Distinct` rows (unique valid ids, summed gradients).
-        values: `{name: scalar tensor}`, the step's hyperparameters (with
-            `learning_rate`).
-        finite: boolean scalar; the kernel runs only when it is true.
-
-    Returns:
-        `False` when no kernel computes exactly the updater's rule, when the
-        table or its state is not float32, or inside
-        an XLA cluster (`jit_compile=True`), where TF has no sparse-apply
-        kernels; the caller then applies the rule itself.
-    """
-    if compat.in_xla_context():
+def _fused_applies(updater=None, storage=None, **_):
+    """Whether TF's own sparse-apply kernel computes exactly this table's step: the
+    updater names one (`Updater.fused_kernel`), the table and its state are float32
+    variables in memory (16-bit values are rounded by sparseopt, not to nearest by a
+    kernel), and not inside an XLA cluster (`jit_compile=True`, which has no
+    sparse-apply kernels)."""
+    if storage is None or not storage.plain() or compat.in_xla_context():
         return False
+    return (tensorflow_kernels.kernel_for(updater) is not None
+            and all(v.dtype == "float32" for v in storage.variables()))
+
+
+def _fused_run(updater, storage, distinct, values, finite):
+    """TF's kernel for `updater` on `distinct`'s rows of `storage`, where `finite`."""
     kernel = tensorflow_kernels.kernel_for(updater)
-    if kernel is None or any(v.dtype != "float32" for v in [table, *slots.values()]):
-        # 16-bit tables and state are rounded by sparseopt (`precision`), not
-        # to nearest by the kernel.
-        return False
-    var = local(table)
-    handles = {name: local(slot).handle for name, slot in slots.items()}
+    var = local(storage.table)
+    handles = {name: local(slot).handle for name, slot in storage.slots.items()}
     grads = tf.cast(distinct.grads, var.dtype)
     values = {name: tf.cast(value, var.dtype) for name, value in values.items()}
 
@@ -562,4 +563,14 @@ def fused_apply(updater, table, slots, distinct, values, finite):
         return tf.constant(True)
 
     tf.cond(finite, run, lambda: tf.constant(False))
-    return True
+
+
+# The native dedup op (`sparseopt.native`, `tf_ops.cc`; on by default), and
+# TensorFlow's fused sparse-apply kernels for the rules they compute exactly.
+KERNELS = (
+    Kernel("native_dedup", ("distinct",),
+           lambda record=None, **_: record is not None and tensorflow_native.applies(record),
+           lambda record, num_rows, workspace: tensorflow_native.dedup(record, num_rows,
+                                                                       local(workspace))),
+    Kernel("sparse_apply", ("read", "rule", "write"), _fused_applies, _fused_run),
+)

@@ -11,7 +11,7 @@ per-row results are the same either way).
 import tensorflow as tf
 
 from sparseopt import compat, native
-from sparseopt.row_grads import BagGrads, Distinct
+from sparseopt.records import BagGrads, Distinct
 
 
 def applies(record):

@@ -7,8 +7,8 @@ from sparseopt import backend, compat
 from sparseopt import storage as storage_lib
 from sparseopt import updaters as updaters_lib
 from sparseopt.distribution import check_even_split
-from sparseopt.layers.block_init import add_table
-from sparseopt.int8_table import Int8Table
+from sparseopt.storage.block_init import add_table
+from sparseopt.storage.int8_table import Int8Table
 from sparseopt.ops.lookup import PlainOptimizerGuard, SparseLookup, check_ids_dtype, layer_state
 
 COMBINERS = (None, "sum", "mean")
@@ -58,7 +58,7 @@ class SparseEmbedding(keras.layers.Layer):
             updater's own settings.
         rows_per_step: int8 tables only: the most distinct rows one step may
             update (the size of the buffer that carries a step's writes to
-            the table, `sparseopt.int8_table`); None: `min(input_dim, 16384)`.
+            the table, `sparseopt.storage.int8_table`); None: `min(input_dim, 16384)`.
         **kwargs: base `Layer` arguments (`name`, `dtype`, ...). `dtype="int8"`
             stores the table as int8 codes with a float32 scale per row
             (Keras' int8 `Embedding` format, a quarter of float32's memory);

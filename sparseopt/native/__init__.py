@@ -1,15 +1,23 @@
 """Native CPU kernels for the generic part of a table's step (issue "Native CPU kernels").
 
-What is native, as XLA FFI custom calls on JAX's CPU backend:
+What is native, as XLA FFI custom calls on JAX's CPU backend (each on by
+default):
 
-- `bf16_writes` (on by default): in-place row writes of bfloat16 arrays
-  (`set_rows.cc`). XLA:CPU has no bfloat16 scatter, so the pure path copies a
+- `rows`: a step's row reads and writes of its tables and their state, any
+  dtype (`rows.cc`): `jnp.take(mode="clip")` and `.at[].set(mode="drop")`
+  byte for byte, the writes in place. XLA compiles each gather and scatter of
+  each variable into a kernel of its own, for every table of a model: as one
+  call compiled once, the compiled step is about half its size (a
+  Criteo-shaped model's first step: docs/benchmarks.md, "The first step").
+- `bf16_writes`: the row writes of bfloat16 arrays by the same call, where
+  `rows` is off. XLA:CPU has no bfloat16 scatter, so the pure path copies a
   bfloat16 table (and bfloat16 state) every step; this writes the step's rows
   only (measured: a bfloat16 DLRM step 2.9x float32's -> 0.96x).
-- `dedup` (off by default): the dedup and sum of a step's ids and row
-  gradients, per id or per pooled bag (`dedup_sum.cc`, the algorithm in
-  `dedup_core.h`). Measured no faster than XLA's own dedup (both bound by the
-  same random accesses; docs/benchmarks.md, "Native kernels").
+- `dedup`: the dedup and sum of a step's ids and row gradients, per id or per
+  pooled bag (`dedup_sum.cc`, the algorithm in `dedup_core.h`). No faster
+  than XLA's own dedup when it runs (both bound by the same random
+  accesses; docs/benchmarks.md, "Native kernels"), but one call in place of
+  a dozen kernels per table in the compiled step.
 
 and as a TensorFlow op on CPU:
 
@@ -53,7 +61,7 @@ import tempfile
 
 _LOG = logging.getLogger("sparseopt.native")
 HERE = pathlib.Path(__file__).parent
-SOURCES = ("dedup_sum.cc", "set_rows.cc")
+SOURCES = ("dedup_sum.cc", "rows.cc")
 HEADERS = ("dedup_core.h",)
 TF_SOURCES = ("tf_ops.cc",)
 # No FMA contraction: each product is rounded before it is added, as XLA's
@@ -61,10 +69,11 @@ TF_SOURCES = ("tf_ops.cc",)
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off", "-w")
 TARGETS = {"sparseopt_dedup_sum": "SparseoptDedupSum",
            "sparseopt_dedup_sum_bags": "SparseoptDedupSumBags",
-           "sparseopt_set_rows_bf16": "SparseoptSetRowsBf16"}
+           "sparseopt_take_rows": "SparseoptTakeRows",
+           "sparseopt_put_rows": "SparseoptPutRows"}
 
 # Each kernel's default (`SPARSEOPT_NATIVE` unset): on where it was measured faster.
-DEFAULTS = {"bf16_writes": True, "dedup": False, "tf_dedup": True}
+DEFAULTS = {"bf16_writes": True, "dedup": True, "tf_dedup": True, "rows": True}
 # Each kernel's framework (its library); the others are JAX's.
 FRAMEWORK = {"tf_dedup": "tensorflow"}
 _FORCED = {"1": True, "0": False}

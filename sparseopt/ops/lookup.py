@@ -9,7 +9,7 @@ from keras import ops
 
 from sparseopt import backend, compat
 from sparseopt import storage as storage_lib
-from sparseopt.row_grads import BagGrads, RowGrads
+from sparseopt.records import BagGrads, RowGrads
 
 
 class SparseLookup:
@@ -42,7 +42,7 @@ class SparseLookup:
         storage: how the table stores its updater state and writes 16-bit
             values, a `sparseopt.TableStorage`; None: its updater's settings
             (by default float32 state, stochastic rounding, seed 0).
-        int8: for an 8-bit table, its `sparseopt.int8_table.Int8Table`
+        int8: for an 8-bit table, its `sparseopt.storage.int8_table.Int8Table`
             (whose `codes` are `table`): rows are read as `codes / scale`,
             after the last step's buffered writes; None for float tables.
 
@@ -100,6 +100,14 @@ class SparseLookup:
         # An open vocabulary (`sparseopt.vocabulary.OpenVocabulary`) when the
         # ids are rows its map gave (`DynamicEmbedding`); None for fixed tables.
         self.vocabulary = None
+        # Whether the probe's gradient is NaN where the row gradients are not
+        # finite: what a `LossScaleOptimizer` sees of the table (it skips the
+        # step and lowers its scale). The optimizer that trains the table says
+        # whether one wraps it (`DispatchOptimizer.build`); until then, marked.
+        # Unmarked, the check (a reduction over the step's row gradients, a few
+        # kernels per table in a compiled step) is left out: the optimizer
+        # checks the rows itself.
+        self.marks_non_finite = True
         table._sparseopt_lookup = self
         self.probe._sparseopt_probe_of = self
 
@@ -112,7 +120,7 @@ class SparseLookup:
         """The row gradients recorded since the last call, and forgets them.
 
         Returns:
-            A `sparseopt.row_grads.RowGrads` of every call whose backward pass
+            A `sparseopt.records.RowGrads` of every call whose backward pass
             ran (their ids one after another; `calls` counts them), with
             float32 gradients as scaled as the loss was (`BagGrads` where
             every call was pooled); None if none ran.
@@ -173,13 +181,13 @@ class SparseLookup:
         # An int8 table's rows travel with their gradients (`RowGrads.read`).
         kept = ops.reshape(read, (-1, self.table.shape[1])) if self.int8 is not None else None
         return backend.tap(rows, self.probe.value, update_ids, self._on_backward,
-                           aux=(None, changed, kept))
+                           aux=(None, changed, kept), marks=self.marks_non_finite)
 
     def pooled(self, ids, combiner="sum", changed=None):
         """The rows of each bag of ids (the last axis), summed or averaged.
 
         Same as reducing `self(ids)` over its id axis, but the backward pass
-        records one gradient per bag (`sparseopt.row_grads.BagGrads`) instead of one
+        records one gradient per bag (`sparseopt.records.BagGrads`) instead of one
         per id, and the dedup reads it from there: the `[ids, width]`
         gradient is never built. (A table placed by a `keras.distribution`
         is read id by id, as `self(ids)`, then reduced.)
@@ -209,7 +217,8 @@ class SparseLookup:
         with compat.read_as_stored():
             pooled = backend.read_pooled(self.table, safe_ids, weight, self.compute_dtype)
         return backend.tap(pooled, self.probe.value, update_ids, self._on_backward_pooled,
-                           aux=(ops.reshape(weight, (-1,)), changed))
+                           aux=(ops.reshape(weight, (-1,)), changed),
+                           marks=self.marks_non_finite)
 
     def ids_per_step(self):
         """How many ids the last forward pass with a known batch shape looked up.

@@ -10,7 +10,7 @@ TensorFlow). Either hands `DispatchOptimizer.apply` the step's true
 from keras import ops
 
 from sparseopt import backend
-from sparseopt.row_grads import RowGrads
+from sparseopt.records import RowGrads
 
 
 class LookupRows:

@@ -4,7 +4,7 @@ An updater is data plus one pure function. It declares the state slots it
 needs (full `[V, D]` or one scalar per row) and maps the touched rows of a
 table, their state rows and their summed gradients to new rows and new state
 rows. It never sees the whole table: the machinery around it (dedup, gather,
-scatter in place) lives in `sparseopt.sparse_apply` and the backend modules.
+scatter in place) lives in `sparseopt.engine` and the backend modules.
 
 Each updater class is also an entry of the rule table (`registry()`, after
 FBGEMM's table of optimizers): it carries what it supports, namely its

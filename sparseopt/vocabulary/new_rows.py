@@ -11,7 +11,7 @@ import math
 import keras
 from keras import ops
 
-from sparseopt import precision
+from sparseopt.storage import precision
 
 # Initializers whose per-row draw is defined here (each value independent of
 # the table's shape).

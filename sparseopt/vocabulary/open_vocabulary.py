@@ -33,7 +33,8 @@ from typing import Any, NamedTuple
 import numpy as np
 from keras import ops
 
-from sparseopt import backend, precision, quantization
+from sparseopt import backend
+from sparseopt.storage import precision, quantization
 from sparseopt.vocabulary import counters, id_map, keys, new_rows, pending
 from sparseopt.vocabulary.frequency import Frequencies
 from sparseopt.vocabulary.sightings import SightingCounts
@@ -356,7 +357,7 @@ class OpenVocabulary:
                         ops.logical_and(had, ops.logical_not(evicted)), "int32")))
 
     def _write_int8_rows(self, rows, step, keep):
-        """An int8 table (`sparseopt.int8_table`): the rows given to new keys start from
+        """An int8 table (`sparseopt.storage.int8_table`): the rows given to new keys start from
         the initializer's values (`new_rows`, deterministic), quantized to nearest,
         written here because its optimizer step cannot write the table (again is
         harmless: the same values)."""
@@ -382,20 +383,19 @@ class OpenVocabulary:
 
     # -- the optimizer's side -------------------------------------------------
 
-    def accept(self, proposals, applied, table, slots, specs, step, cycle_ends=True):
+    def accept(self, proposals, applied, storage, step, cycle_ends=True):
         """After the table's update: the chosen rows start afresh, for the next call.
 
-        Where `applied`, each chosen row of `table` is drawn anew from
+        Where `applied`, each chosen row of the table is drawn anew from
         `initializer` and each per-row slot set to its start (`SlotSpec`:
-        its initial value, or the step for a slot that holds one); the
-        choices go to `pending`. Else `pending` is emptied.
+        its initial value, or the step for a slot that holds one), through
+        the table's row storage (`RowStorage.start`); the choices go to
+        `pending`. Else `pending` is emptied.
 
         Args:
             proposals: the step's `Proposals`.
             applied: boolean scalar: whether the step's update was applied.
-            table: the table variable.
-            slots: `{name: variable}` of the table's optimizer state.
-            specs: the updater's `SlotSpec`s.
+            storage: the table's `sparseopt.storage.rows.RowStorage`.
             step: int scalar, the optimizer's updates so far, this one
                 included (what a slot holding a step starts at).
             cycle_ends: boolean scalar: whether an update was made (or
@@ -405,17 +405,11 @@ class OpenVocabulary:
         """
         valid = ops.logical_and(proposals.valid, applied)
         rows = ops.where(valid, proposals.rows, 0)
+        fresh = None
         if self.int8 is None:  # (an int8 table's next call writes them: `_write_pending`)
-            fresh = new_rows.initial_rows(self.initializer, rows, table.shape[1],
+            fresh = new_rows.initial_rows(self.initializer, rows, storage.table.shape[1],
                                           proposals.step, self.seed)
-            backend.scatter_where(table, rows, ops.cast(fresh, table.dtype), valid)
-        for spec in specs:
-            if not spec.per_row:
-                continue
-            var = slots[spec.name]
-            start = ops.cast(step if spec.holds_step else spec.initial_value, var.dtype)
-            shape = (ops.shape(rows)[0],) + tuple(var.shape[1:])
-            backend.scatter_where(var, rows, ops.broadcast_to(start, shape), valid)
+        storage.start(rows, fresh, valid, step)
         self.pending.assign(pending.encode(proposals.high, proposals.low, rows,
                                            proposals.step, proposals.evicted, valid,
                                            proposals.sightings, self.admissions_per_step))

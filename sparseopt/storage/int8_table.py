@@ -33,8 +33,9 @@ import keras
 import numpy as np
 from keras import ops
 
-from sparseopt import backend, distribution, quantization
-from sparseopt.layers import block_init
+from sparseopt import backend, distribution
+from sparseopt.storage import quantization
+from sparseopt.storage import block_init
 from sparseopt.vocabulary.pending import decode_step, encode_step, join_halves, split_halves
 
 DEFAULT_ROWS_PER_STEP = 16384

@@ -26,7 +26,7 @@ import numpy as np
 from keras import ops
 
 from sparseopt import backend
-from sparseopt.dtypes import HALF_DTYPES, LARGEST
+from sparseopt.storage.dtypes import HALF_DTYPES, LARGEST
 from sparseopt.hashing import M1, M2, mix32
 
 

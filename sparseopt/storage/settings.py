@@ -17,7 +17,7 @@ import numbers
 
 import keras
 
-from sparseopt.dtypes import check_dtype
+from sparseopt.storage.dtypes import check_dtype
 
 # The settings and their defaults (what an updater's config leaves out).
 DEFAULTS = {"state_dtype": "float32", "stochastic_rounding": True, "rounding_seed": 0}
@@ -64,6 +64,10 @@ class TableStorage:
     state_dtype: str = "float32"
     stochastic_rounding: bool = True
     rounding_seed: int = 0
+
+    # The row storage that keeps the table's rows and per-row state
+    # (`sparseopt.storage.kinds`): in memory. A subclass names another kind.
+    kind = "memory"
 
     def __post_init__(self):
         values = checked("TableStorage", self.state_dtype, self.stochastic_rounding,

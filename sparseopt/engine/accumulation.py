@@ -22,7 +22,7 @@ import keras
 from keras import ops
 
 from sparseopt import backend
-from sparseopt.row_grads import RowGrads
+from sparseopt.records import RowGrads
 
 
 class Accumulator:

@@ -18,7 +18,7 @@ Small pure functions of `keras.ops`; no variables here.
 
 from keras import ops
 
-from sparseopt import precision
+from sparseopt.storage import precision
 
 CODE_MAX = 127
 # Keras' `abs_max_quantize` epsilon (`keras.config.epsilon()` by default):

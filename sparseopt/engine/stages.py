@@ -1,0 +1,240 @@
+"""The stages of a table's step, written once for every plan and kind of row storage.
+
+    record ─► distinct rows, summed gradients ─► rows and state read ─► rule ─► written
+    (RowGrads)  (`prepare`: dedup, finiteness)   (`RowStorage.read`)          (`RowStorage.write`)
+
+The cost follows the step's distinct ids, never the table's rows. A plan
+(`sparseopt.engine.plans`: one table, a table split by rows, tables grouped)
+decides where the stages run; a native kernel may replace consecutive stages
+(`sparseopt.engine.kernels`); the table's `RowStorage` decides how rows are
+read and written. Whole slots (a column's or the table's) are updated once
+per step, from the rule's contributions summed over the distinct rows,
+before the row rule reads them (`update_whole`).
+"""
+
+from keras import ops
+
+from sparseopt import backend
+from sparseopt.engine import kernels
+from sparseopt.updaters import hyperparameters, transforms
+
+
+class Prepared:
+    """One table's step between its dedup and its rule.
+
+    A table on one device is deduplicated here, once (`distinct`); a table
+    whose rows are split over devices keeps the step's record as given
+    (each shard deduplicates its own: `plans.finish`).
+
+    Args:
+        record: the step's `RowGrads`, float32.
+        finite: boolean scalar: whether every gradient is finite.
+        distinct: the `Distinct` rows, or None.
+        num_rows: the table's rows.
+        workspace: the table's dedup workspace (or None).
+    """
+
+    def __init__(self, record, finite, distinct, num_rows, workspace):
+        self.record, self.finite = record, finite
+        self.distinct, self.num_rows, self.workspace = distinct, num_rows, workspace
+        self._global = None  # `global_distinct`, once computed
+
+    def global_distinct(self):
+        """The step's `Distinct` rows over the whole table.
+
+        A table split over devices is deduplicated globally for it, once
+        (each shard also deduplicates its own ids when it updates them).
+        """
+        if self.distinct is None and self._global is None:
+            self._global = distinct(self.record, self.num_rows, self.workspace)
+        return self.distinct if self.distinct is not None else self._global
+
+    def squared_norm(self):
+        """The squared L2 norm of the table's gradient: of each distinct row's summed one.
+
+        What a dense optimizer's `global_clipnorm` sees of this table.
+        """
+        return ops.sum(ops.square(self.global_distinct().grads))
+
+    def context(self, offset=0):
+        """What the table's storage may read of the step (`Context`)."""
+        return Context(self.record, self.workspace, offset)
+
+
+class Context:
+    """The step as a kind of row storage may need it: the rows its lookups read.
+
+    Args:
+        record: the step's `RowGrads` (whose `read` holds, for an int8
+            table, each id's row as its lookup read it).
+        workspace: the dedup workspace the step was deduplicated with: it
+            holds, for each distinct id, one of its positions in `record`.
+        offset: the table's first id in the workspace (a group's shifted ids).
+        positions: int32 positions of the distinct ids in `record`, where the
+            dedup gave them (no workspace); else None.
+    """
+
+    def __init__(self, record, workspace, offset=0, positions=None):
+        self.record, self.workspace, self.offset = record, workspace, offset
+        self.positions = positions
+
+    def rows_read(self, ids):
+        """float32 `[M, D]`: each id's row as the step's lookups read it.
+
+        Every occurrence of an id read the same row; the dedup left one of
+        its positions in the workspace (or gave them, `positions`).
+        """
+        at = (self.positions if self.positions is not None
+              else backend.gather(self.workspace.value, ids + self.offset))
+        return backend.gather(self.record.read, at)
+
+
+def prepare(record, num_rows, workspace=None, split=False):
+    """Stages 1-2 of one table: its step checked and (unless `split`) deduplicated.
+
+    Args:
+        record: the step's `RowGrads`: ids (duplicates allowed; ids outside
+            `[0, num_rows)` are ignored) and their true gradients.
+        num_rows: the table's rows.
+        workspace: its dedup workspace, where `backend.WORKSPACE`.
+        split: the table's rows are split over devices (each shard
+            deduplicates its own ids).
+    """
+    record = record.as_float32()
+    # A non-finite gradient skips the whole table for this step.
+    finite = record.all_finite()
+    found = None if split else distinct(record, num_rows, workspace)
+    return Prepared(record, finite, found, num_rows, workspace)
+
+
+def distinct(record, num_rows, workspace):
+    """Stage 2: the `Distinct` rows of `record` (by a native kernel where one applies)."""
+    kernel = kernels.find(("distinct",), record=record, workspace=workspace)
+    if kernel is not None:
+        return kernel.run(record, num_rows, workspace)
+    return backend.dedup(record, num_rows, workspace)
+
+
+def checked(finite, factor):
+    """`finite`, and false where the clipping `factor` (if any) is not finite."""
+    return finite if factor is None else ops.logical_and(finite, ops.isfinite(factor))
+
+
+def update_rows(updater, storage, found, finite, values, step, context=None, whole=None):
+    """Stages 3-5 on `found`'s rows: read, rule, write (skipped where not `finite`).
+
+    Whole slots are updated first, once (`update_whole`), unless `whole`
+    holds their new values already (a shard's step). Where a kernel does
+    the three stages at once (TF's fused sparse-apply), it runs instead.
+
+    Args:
+        updater: the table's `Updater`.
+        storage: its `RowStorage`.
+        found: the step's `Distinct` rows.
+        finite: boolean scalar, whether the step applies.
+        values: `{name: scalar tensor}`, the step's hyperparameters (`learning_rate` too).
+        step: scalar int tensor, the 1-based update count.
+        context: the step's `Context`, for storage that reads from it.
+        whole: the whole slots' new values (`{name: float32}`), or None.
+    """
+    kernel = kernels.find(("read", "rule", "write"), updater=updater, storage=storage)
+    if kernel is not None:
+        kernel.run(updater, storage, found, values, finite)
+        return
+    if whole is None:
+        whole = update_whole(updater, storage, found, finite, values, step, context)
+    # Entries from `count` on are padding (or, skipped, the rows as read).
+    count = ops.where(finite, found.count, 0)
+
+    def update(variables, ids, grads):
+        view = storage if variables is None else storage.over(variables)
+        rows, state = view.read(ids, context)
+        new_rows, new_state = rule(updater, rows, {**state, **whole}, grads, values, step)
+        # Skipping hands back the rows as read (cheap: only touched rows)
+        # instead of branching.
+        new_rows = ops.where(finite, new_rows, rows)
+        new_state = {n: ops.where(finite, new_state[n], state[n]) for n in state}
+        new_rows, new_state = backend.materialize((new_rows, new_state))
+        view.write(ids, new_rows, new_state, step, count)
+
+    if storage.reads_lookups:
+        # (All at once: its rows come from the step, not from variables a loop carries.)
+        update(None, found.ids, found.grads)
+        return
+    # Only the step's distinct rows: work follows them, not the batch.
+    backend.for_distinct_rows(update, storage.variables(), found)
+
+
+def rule(updater, rows, state, grads, values, step):
+    """Stage 4: the updater's rule (its options and wrappers around it) on float32 rows.
+
+    Returns:
+        `(new_rows, new_state)`.
+    """
+    with hyperparameters.reading(updater, values):
+        return updater.apply_rule(rows, state, grads, values["learning_rate"], step)
+
+
+def update_whole(updater, storage, found, finite, values, step, context=None):
+    """Updates the whole slots once for the step; `{name: new value}` (float32).
+
+    Their contributions are summed over the distinct rows only (padding
+    entries add nothing), in as many chunks as the rows take.
+    """
+    if not updater.whole_slots:
+        return {}
+    old = whole_slot_values(updater, storage.slots)
+
+    def contributions(ids, grads):
+        rows, state = storage.read(ids, context)
+        with hyperparameters.reading(updater, values):
+            # The rows and gradients the rule will see (options applied first).
+            rows, grads = transforms.before_rule(updater.transforms, rows, grads,
+                                                 values["learning_rate"], step)
+            return updater.contributions(rows, {**state, **old}, grads, step)
+
+    sums = backend.sum_over_distinct_rows(contributions, found, storage.table.shape[0])
+    return write_whole_slots(updater, storage.slots, old, sums, storage.table.shape[0], step,
+                             finite, values)
+
+
+def whole_slot_values(updater, slots):
+    """`{name: float32 value}` of the updater's whole slots as they are now, before the step.
+
+    Read explicitly (`convert_to_tensor`): on TensorFlow a Keras variable's
+    `.value` is the live `tf.Variable`, read only where an op uses it; a rule
+    that hands an old value on unchanged (Adafactor's `log_decay_before`)
+    would then be written with the value assigned a moment earlier in
+    `write_whole_slots`. With the optimizer built inside the traced step
+    (Keras' default on TF) the reads came first, as meant; with it built
+    before `fit` they came after the writes (tests/test_backends.py holds
+    both builds equal).
+
+    Args:
+        updater: the `Updater`.
+        slots: `{name: variable}`.
+    """
+    return {s.name: ops.cast(ops.convert_to_tensor(slots[s.name]), "float32")
+            for s in updater.whole_slots}
+
+
+def write_whole_slots(updater, slots, old, sums, num_rows, step, finite, values):
+    """The whole slots' new values from the step's summed contributions, written where
+    `finite` (else kept); `{name: new float32 value}`.
+
+    Args:
+        updater: the `Updater`.
+        slots: `{name: variable}`.
+        old: `{name: float32 value}` of the whole slots before the step.
+        sums: the rule's contributions summed over the step's distinct rows.
+        num_rows: the table's rows.
+        step, finite, values: the step's count, whether it applies, hyperparameters.
+    """
+    with hyperparameters.reading(updater, values):
+        new = updater.update_whole(dict(old), sums, num_rows, step)
+    out = {}
+    for spec in updater.whole_slots:
+        value = ops.where(finite, ops.cast(new[spec.name], "float32"), old[spec.name])
+        slots[spec.name].assign(ops.cast(value, slots[spec.name].dtype))
+        out[spec.name] = value
+    return out
