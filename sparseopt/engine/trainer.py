@@ -373,18 +373,18 @@ class TableTrainer:
         """Overwrites the table with its moving average (as Keras' `use_ema` at the end of
         `fit`); the average stays what it was."""
         self.catch_up(steps_done, learning_rate_scale)
-        offset = self.slots[updaters.catch_up.EMA_OFFSET_SLOT]
+        offset = updaters.catch_up.EMA_OFFSET_SLOT
         self.row_storage.assign_values(
-            self.row_storage.values() + ops.cast(offset.value, "float32"), steps_done)
-        offset.assign(ops.zeros(offset.shape, offset.dtype))
+            self.row_storage.values() + self.row_storage.state_values(offset), steps_done)
+        self.row_storage.assign_state(offset, ops.zeros(self.slots[offset].shape, "float32"),
+                                      steps_done, rounded=False)
 
     def swa_average(self, steps_done):
         """The table's SWA average after `steps_done` steps (`swa_period` only), a tensor."""
         start, period = self.updater.swa
         return updaters.swa.table_average(
-            self.row_storage.values(),
-            ops.cast(self.slots[updaters.swa.AVERAGE_SLOT].value, "float32"),
-            self.slots[updaters.swa.COUNT_SLOT].value, steps_done, start, period)
+            self.row_storage.values(), self.row_storage.state_values(updaters.swa.AVERAGE_SLOT),
+            self.row_storage.state_values(updaters.swa.COUNT_SLOT), steps_done, start, period)
 
     def use_swa_average(self, steps_done):
         """Overwrites the table with its SWA average; every row's record then counts all
@@ -392,10 +392,13 @@ class TableTrainer:
         start, period = self.updater.swa
         average = self.swa_average(steps_done)
         self.row_storage.assign_values(average, steps_done)
-        self.slots[updaters.swa.AVERAGE_SLOT].assign(average)
+        self.row_storage.assign_state(updaters.swa.AVERAGE_SLOT, average, steps_done,
+                                      rounded=False)
         count = self.slots[updaters.swa.COUNT_SLOT]
-        count.assign(ops.full(count.shape, updaters.swa.snapshots(steps_done, start, period),
-                              count.dtype))
+        self.row_storage.assign_state(
+            updaters.swa.COUNT_SLOT,
+            ops.full(count.shape, updaters.swa.snapshots(steps_done, start, period), "int32"),
+            steps_done, rounded=False)
 
     def skipped_steps(self):
         return int(ops.convert_to_numpy(self.skipped.value))

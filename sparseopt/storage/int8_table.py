@@ -121,6 +121,14 @@ class Int8Table:
         positions = ops.arange(buffer.shape[0], dtype="int32")
         backend.for_listed_rows(write, [self.codes, self.scale], positions, count)
 
+    def write(self, rows, values, keep):
+        """Writes float32 `values` `[M, D]` into rows `rows` where `keep`, quantized to
+        nearest (a row's fresh start: an open vocabulary's new rows, on the layer's side;
+        writing the same again changes nothing)."""
+        codes, scale = quantization.quantize(values)
+        backend.scatter_where(self.codes, rows, codes, keep)
+        backend.scatter_where(self.scale, rows, scale, keep)
+
     def clear(self):
         """Forgets the buffered rows (after the table was loaded or written whole)."""
         self.buffered.assign(ops.zeros((2,), "float32"))

@@ -176,12 +176,14 @@ class RowStorage:
         """Writes every row of float32 `values` `[V, D]`, rounded as a step's writes are."""
         raise NotImplementedError
 
-    def assign_state(self, name, values, step):
-        """Writes every row of slot `name`, rounded as a step's writes are."""
+    def assign_state(self, name, values, step, rounded=True):
+        """Writes every row of slot `name`: rounded as a step's writes are, or (`rounded`
+        False) as given, cast to its dtype."""
         var = self.slots[name]
-        ids = ops.arange(var.shape[0], dtype="int32")
-        stored = self.rounding.stored(values, var.dtype, step, ids, self.streams[name])
-        var.assign(ops.cast(stored, var.dtype))
+        if rounded:
+            ids = ops.arange(var.shape[0], dtype="int32")
+            values = self.rounding.stored(values, var.dtype, step, ids, self.streams[name])
+        var.assign(ops.cast(values, var.dtype))
 
     def state_values(self, name):
         """Slot `name` whole, as rules compute with it."""

@@ -34,7 +34,7 @@ import numpy as np
 from keras import ops
 
 from sparseopt import backend
-from sparseopt.storage import precision, quantization
+from sparseopt.storage import precision
 from sparseopt.vocabulary import counters, id_map, keys, new_rows, pending
 from sparseopt.vocabulary.frequency import Frequencies
 from sparseopt.vocabulary.sightings import SightingCounts
@@ -365,9 +365,7 @@ class OpenVocabulary:
             return
         fresh = new_rows.initial_rows(self.initializer, rows, self.int8.codes.shape[1], step,
                                       self.seed)
-        codes, scale = quantization.quantize(fresh)
-        backend.scatter_where(self.int8.codes, rows, codes, keep)
-        backend.scatter_where(self.int8.scale, rows, scale, keep)
+        self.int8.write(rows, fresh, keep)
 
     def write_hand_over(self):
         """Between steps (export): an int8 table's buffered rows and rows given to new
