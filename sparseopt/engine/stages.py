@@ -16,7 +16,8 @@ from keras import ops
 
 from sparseopt import backend
 from sparseopt.engine import kernels
-from sparseopt.updaters import hyperparameters, transforms
+from sparseopt.updaters import transforms
+from sparseopt.updaters.hyperparameters import Values
 
 
 class Prepared:
@@ -171,8 +172,7 @@ def rule(updater, rows, state, grads, values, step):
     Returns:
         `(new_rows, new_state)`.
     """
-    with hyperparameters.reading(updater, values):
-        return updater.apply_rule(rows, state, grads, values["learning_rate"], step)
+    return updater.apply_rule(rows, state, grads, Values(values, step))
 
 
 def update_whole(updater, storage, found, finite, values, step, context=None):
@@ -185,13 +185,13 @@ def update_whole(updater, storage, found, finite, values, step, context=None):
         return {}
     old = whole_slot_values(updater, storage.slots)
 
+    hp = Values(values, step)
+
     def contributions(ids, grads):
         rows, state = storage.read(ids, context)
-        with hyperparameters.reading(updater, values):
-            # The rows and gradients the rule will see (options applied first).
-            rows, grads = transforms.before_rule(updater.transforms, rows, grads,
-                                                 values["learning_rate"], step)
-            return updater.contributions(rows, {**state, **old}, grads, step)
+        # The rows and gradients the rule will see (options applied first).
+        rows, grads = transforms.before_rule(updater.transforms, rows, grads, hp)
+        return updater.contributions(rows, {**state, **old}, grads, hp)
 
     sums = backend.sum_over_distinct_rows(contributions, found, storage.table.shape[0])
     return write_whole_slots(updater, storage.slots, old, sums, storage.table.shape[0], step,
@@ -230,8 +230,7 @@ def write_whole_slots(updater, slots, old, sums, num_rows, step, finite, values)
         num_rows: the table's rows.
         step, finite, values: the step's count, whether it applies, hyperparameters.
     """
-    with hyperparameters.reading(updater, values):
-        new = updater.update_whole(dict(old), sums, num_rows, step)
+    new = updater.update_whole(dict(old), sums, num_rows, Values(values, step))
     out = {}
     for spec in updater.whole_slots:
         value = ops.where(finite, ops.cast(new[spec.name], "float32"), old[spec.name])

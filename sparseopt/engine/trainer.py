@@ -23,7 +23,7 @@ from sparseopt.engine import plans
 from sparseopt.engine.stages import prepare
 from sparseopt.storage import precision
 from sparseopt.storage.kinds import kind_for
-from sparseopt.updaters import hyperparameters
+from sparseopt.updaters.hyperparameters import Values
 from sparseopt.updaters.transforms import value_at
 from sparseopt.lookahead_window import LookaheadWindow
 
@@ -359,10 +359,8 @@ class TableTrainer:
         """`(rows, state)` of the whole table brought up to `steps_done`, not assigned."""
         state = {s.name: self.row_storage.state_values(s.name) for s in self.updater.slots}
         values = self.values_at(max(steps_done - 1, 0), learning_rate_scale)
-        with hyperparameters.reading(self.updater, values):
-            return updaters.catch_up.whole_table(
-                self.updater, self.row_storage.values(), state, steps_done,
-                values["learning_rate"])
+        return updaters.catch_up.whole_table(self.updater, self.row_storage.values(), state,
+                                             steps_done, Values(values, steps_done))
 
     def moving_average(self, steps_done, learning_rate_scale=1.0):
         """The table's moving average at `steps_done` (`ema_momentum` only), a tensor."""

@@ -158,23 +158,23 @@ class Adafactor(Updater):
 
     # -- the pieces of one step ------------------------------------------------
 
-    def _decay(self, step):
-        t = ops.cast(step, "float32")
-        return 1.0 - ops.power(t, self.value("beta_2_decay", step))
+    def _decay(self, hp):
+        t = ops.cast(hp.step, "float32")
+        return 1.0 - ops.power(t, hp.beta_2_decay)
 
-    def _log_decay(self, step):
+    def _log_decay(self, hp):
         """`log b` of the step, 0 on the first (where `b = 0` replaces every moment)."""
-        t = ops.cast(step, "float32")
-        return ops.where(t > 1, ops.log(ops.maximum(self._decay(step), 1e-38)), 0.0)
+        t = ops.cast(hp.step, "float32")
+        return ops.where(t > 1, ops.log(ops.maximum(self._decay(hp), 1e-38)), 0.0)
 
-    def _second_moment(self, state, grads, step, before=None):
+    def _second_moment(self, state, grads, hp, before=None):
         """The touched rows' new `vr` (`[U]`) or `v` (`[U, D]`).
 
         `before`: dense form only, the running `log b` sum as of the previous
         step; the stored moment first decays over the steps the row missed.
         """
-        b = self._decay(step)
-        eps = self.value("epsilon_1", step)
+        b = self._decay(hp)
+        eps = hp.epsilon_1
         regulated = ops.square(grads) + eps
         old = state["vr" if self.factored else "v"]
         if not self.lazy:
@@ -184,24 +184,24 @@ class Adafactor(Updater):
             return b * old + (1 - b) * ops.mean(regulated, axis=-1)
         return b * old + (1 - b) * regulated
 
-    def contributions(self, rows, state, grads, step):
+    def contributions(self, rows, state, grads, hp):
         if not self.lazy:
-            return self._dense_contributions(rows, state, grads, step)
-        moment = self._second_moment(state, grads, step)
+            return self._dense_contributions(rows, state, grads, hp)
+        moment = self._second_moment(state, grads, hp)
         square = ops.square(grads)
         ones = ops.ones(ops.shape(grads)[:1])
         out = {"rows": ones, "entries": ones * ops.cast(ops.shape(grads)[1], "float32"),
                "w_square": ops.sum(ops.square(rows), axis=-1)}
         if self.factored:
-            out["regulated"] = square + self.value("epsilon_1", step)  # -> vc
+            out["regulated"] = square + hp.epsilon_1  # -> vc
             out["vr"] = moment                                       # -> mean of vr
             out["u_square"] = square / moment[:, None]               # / (vc / mean vr)
         else:
             out["u_square"] = ops.sum(square / moment, axis=-1)
         return out
 
-    def _dense_contributions(self, rows, state, grads, step):
-        moment = self._second_moment(state, grads, step, before=state["log_decay"])
+    def _dense_contributions(self, rows, state, grads, hp):
+        moment = self._second_moment(state, grads, hp, before=state["log_decay"])
         square = ops.square(grads)
         if self.factored:  # sum_T u^2 and sum_T w u, but for the whole factors
             root = ops.sqrt(moment)[:, None]
@@ -211,11 +211,11 @@ class Adafactor(Updater):
         return {"u_square": ops.sum(square / moment, axis=-1),
                 "w_u": ops.sum(rows * grads / root, axis=-1)}
 
-    def _dense_whole(self, state, sums, num_rows, step):
+    def _dense_whole(self, state, sums, num_rows, hp):
         v = ops.cast(num_rows, "float32")
         entries = state["entries"]  # V x D
-        b = self._decay(step)
-        eps = self.value("epsilon_1", step)
+        b = self._decay(hp)
+        eps = hp.epsilon_1
         new = {}
         if self.factored:
             vc = b * state["vc"] + (1 - b) * (eps + sums["square"] / v)
@@ -228,16 +228,16 @@ class Adafactor(Updater):
         else:
             u_square, w_u = sums["u_square"], sums["w_u"]
         clip = ops.maximum(1.0, ops.sqrt(u_square / entries)
-                           / self.value("clip_threshold", step))
+                           / hp.clip_threshold)
         scale = 1.0 / clip
         q = state["sum_squares"]
         if self.multiply_by_parameter_scale:
-            scale = scale * ops.maximum(self.value("epsilon_2", step),
+            scale = scale * ops.maximum(hp.epsilon_2,
                                         ops.sqrt(ops.maximum(q, 0.0) / entries))
-        rate = self._rate(self.value("learning_rate", step), step)
+        rate = self._rate(hp.learning_rate, hp.step)
         # Each row moves by -a u: the table's sum of squares by -2a w.u + a^2 u.u.
         a = rate * scale
-        log_decay = state["log_decay"] + self._log_decay(step)
+        log_decay = state["log_decay"] + self._log_decay(hp)
         new.update(scale=scale, sum_squares=q - 2.0 * a * w_u + a * a * u_square,
                    log_decay=log_decay, log_decay_before=state["log_decay"], entries=entries)
         return new
@@ -247,14 +247,14 @@ class Adafactor(Updater):
             return ops.minimum(learning_rate, ops.rsqrt(ops.cast(step, "float32")))
         return learning_rate
 
-    def update_whole(self, state, sums, num_rows, step):
+    def update_whole(self, state, sums, num_rows, hp):
         if not self.lazy:
-            return self._dense_whole(state, sums, num_rows, step)
+            return self._dense_whole(state, sums, num_rows, hp)
         n = ops.maximum(sums["rows"], 1.0)
         entries = ops.maximum(sums["entries"], 1.0)
         new = {}
         if self.factored:
-            b = self._decay(step)
+            b = self._decay(hp)
             # No rows this step: the column factor stays.
             vc = ops.where(sums["rows"] > 0, b * state["vc"] + (1 - b) * sums["regulated"] / n,
                            state["vc"])
@@ -263,17 +263,17 @@ class Adafactor(Updater):
             new.update(vc=vc, row_mean=row_mean)
         else:
             u_square = sums["u_square"]
-        clip = ops.maximum(1.0, ops.sqrt(u_square / entries) / self.value("clip_threshold", step))
+        clip = ops.maximum(1.0, ops.sqrt(u_square / entries) / hp.clip_threshold)
         scale = 1.0 / clip
         if self.multiply_by_parameter_scale:
             rms_w = ops.sqrt(sums["w_square"] / entries)
-            scale = scale * ops.maximum(self.value("epsilon_2", step), rms_w)
+            scale = scale * ops.maximum(hp.epsilon_2, rms_w)
         new["scale"] = ops.where(sums["rows"] > 0, scale, state["scale"])
         return new
 
-    def update(self, rows, state, grads, learning_rate, step):
+    def update(self, rows, state, grads, hp):
         before = None if self.lazy else state["log_decay_before"]
-        moment = self._second_moment(state, grads, step, before=before)
+        moment = self._second_moment(state, grads, hp, before=before)
         if self.factored:
             v = (moment / state["row_mean"])[:, None] * state["vc"]
             new = {"vr": moment}
@@ -281,9 +281,9 @@ class Adafactor(Updater):
             v, new = moment, {"v": moment}
         if not self.lazy:  # the running log-decay sum its moment is now as of
             new["vr_log"] = ops.broadcast_to(state["log_decay"], ops.shape(moment)[:1])
-        delta = self._rate(learning_rate, step) * state["scale"] * grads / ops.sqrt(v)
+        delta = self._rate(hp.learning_rate, hp.step) * state["scale"] * grads / ops.sqrt(v)
         if self.beta_1:
-            b1 = self.value("beta_1", step)
+            b1 = hp.beta_1
             delta = b1 * state["momentum"] + (1 - b1) * delta
             new["momentum"] = delta
         return rows - delta, new

@@ -48,9 +48,10 @@ class Adagrad(Updater):
 
     missed_steps = catch_up.decay_only  # a zero gradient leaves row and accumulator
 
-    def update(self, rows, state, grads, learning_rate, step):
+    def update(self, rows, state, grads, hp):
+        learning_rate = hp.learning_rate
         acc = state["accumulator"] + ops.square(grads)
-        rows = rows - learning_rate * grads / ops.sqrt(acc + self.value("epsilon", step))
+        rows = rows - learning_rate * grads / ops.sqrt(acc + hp.epsilon)
         return rows, {"accumulator": acc}
 
     def tf_kernel(self):

@@ -76,33 +76,35 @@ class AdagradMomentum(Updater):
         # Without momentum the rule never reads `m` (it is this step's `s`).
         self.unread_slots = () if self.momentum else ("momentum",)
 
-    def missed_steps(self, rows, state, steps, decay, learning_rate):
+    def missed_steps(self, rows, state, steps, decay, hp):
+        learning_rate = hp.learning_rate
         # One missed step: a <- beta_2 a; m <- mu m; w <- decay w - lr mu m_old
         # (nesterov: lr mu^2 m_old).
         a = state["accumulator"]
         if self.beta_2 != 1.0:
-            a = a * catch_up.power(self.value("beta_2", None), steps)[:, None]
+            a = a * catch_up.power(hp.beta_2, steps)[:, None]
         if not self.momentum:
             return rows * catch_up.power(decay, steps)[:, None], {"accumulator": a}
-        mu = self.value("momentum", None)
+        mu = hp.momentum
         weight = -learning_rate * (mu * mu if self.use_nesterov else mu)
         rows, m = catch_up.momentum_steps(rows, state["momentum"], steps, decay, mu, weight)
         return rows, {"accumulator": a, "momentum": m}
 
-    def update(self, rows, state, grads, learning_rate, step):
+    def update(self, rows, state, grads, hp):
+        learning_rate = hp.learning_rate
         if self.beta_2 == 1.0:  # a constant 1: Adagrad's sum
             a = state["accumulator"] + ops.square(grads)
         else:
-            b2 = self.value("beta_2", step)
+            b2 = hp.beta_2
             a = b2 * state["accumulator"] + (1 - b2) * ops.square(grads)
-        eps = self.value("epsilon", step)
+        eps = hp.epsilon
         if self.exponent == 2.0:  # the usual root: rsqrt is much cheaper than pow
             scaled = ops.rsqrt(a + eps) * grads
         else:
-            scaled = ops.power(a + eps, -1.0 / self.value("exponent", step)) * grads
+            scaled = ops.power(a + eps, -1.0 / hp.exponent) * grads
         if not self.momentum:  # m = s: nothing to keep
             return rows - learning_rate * scaled, {"accumulator": a}
-        mu = self.value("momentum", step)
+        mu = hp.momentum
         m = mu * state["momentum"] + scaled
         direction = mu * m + scaled if self.use_nesterov else m
         return rows - learning_rate * direction, {"accumulator": a, "momentum": m}

@@ -47,13 +47,14 @@ class Adam(Updater):
         self.slots = (SlotSpec("momentum"), SlotSpec("velocity"))
         self.unread_slots = unread_momentum(self)
 
-    def update(self, rows, state, grads, learning_rate, step):
+    def update(self, rows, state, grads, hp):
+        learning_rate, step = hp.learning_rate, hp.step
         t = ops.cast(step, "float32")
-        b1, b2 = self.value("beta_1", step), self.value("beta_2", step)
+        b1, b2 = hp.beta_1, hp.beta_2
         m, moments = first_moment(self, state, grads, b1)
         v = b2 * state["velocity"] + (1 - b2) * ops.square(grads)
         alpha = learning_rate * ops.sqrt(1 - ops.power(b2, t)) / (1 - ops.power(b1, t))
-        eps = self.value("epsilon", step)
+        eps = hp.epsilon
         return rows - alpha * m / (ops.sqrt(v) + eps), {**moments, "velocity": v}
 
     def to_keras(self):

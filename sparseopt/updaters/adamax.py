@@ -45,13 +45,14 @@ class Adamax(Updater):
         set_betas(self, beta_1, beta_2, epsilon, beta_1_fixed=False)
         self.slots = (SlotSpec("momentum"), SlotSpec("norm"))
 
-    def update(self, rows, state, grads, learning_rate, step):
+    def update(self, rows, state, grads, hp):
+        learning_rate, step = hp.learning_rate, hp.step
         t = ops.cast(step, "float32")
-        b1, b2 = self.value("beta_1", step), self.value("beta_2", step)
+        b1, b2 = hp.beta_1, hp.beta_2
         m = b1 * state["momentum"] + (1 - b1) * grads
         u = ops.maximum(b2 * state["norm"], ops.abs(grads))
         step_size = learning_rate / (1 - ops.power(b1, t))
-        return (rows - step_size * m / (u + self.value("epsilon", step)),
+        return (rows - step_size * m / (u + hp.epsilon),
                 {"momentum": m, "norm": u})
 
     def to_keras(self):

@@ -23,7 +23,7 @@ import keras
 from keras import ops
 
 from sparseopt import storage
-from sparseopt.updaters import catch_up, hyperparameters, lookahead, swa
+from sparseopt.updaters import catch_up, hyperparameters, legacy, lookahead, swa
 from sparseopt.updaters.transforms import (
     OPTIONS, check_options, chain, transforms_from, value_at)
 
@@ -243,6 +243,7 @@ class Updater:
         for name in cls._CAPABILITIES:
             if name not in cls.__dict__:
                 setattr(cls, name, Updater.__dict__[name])
+        legacy.adapt(cls)  # rules written for sparseopt 0.2's signatures
         _REGISTRY[f"{cls.__module__}.{cls.__qualname__}"] = cls
         # Every subclass, its own `__init__` or the one it inherits: settings
         # are checked once the outermost `__init__` returns.
@@ -322,7 +323,7 @@ class Updater:
             self._specs.pop(name, None)
             if option.kind == "number" and name in self.options:
                 self._specs[name] = hyperparameters.Spec(option.check, option.rule)
-        self.transforms = transforms_from(self.options, self.value)
+        self.transforms = transforms_from(self.options)
 
     def hyperparameter(self, name, value, check=None, rule="", fixed=False, schedule=True,
                        state=True):
@@ -330,7 +331,7 @@ class Updater:
 
         A schedule is any `keras.optimizers.schedules.LearningRateSchedule`,
         evaluated at the optimizer's iteration like the learning rate; the
-        rule reads either through `value(name, step)`. Hyperparameters set
+        rule reads either as `hp.<name>` (its `hp` argument). Hyperparameters set
         this way are also the updater's config (`get_config`), and a constant
         one is state once the optimizer is built: set it then and the next
         step uses the new value (`sparseopt.updaters.hyperparameters`).
@@ -460,14 +461,12 @@ class Updater:
                 if not isinstance(getattr(self, n), float)]
 
     def value(self, name, step):
-        """Hyperparameter `name` at `step` (1-based, as `update` gets it): a scalar tensor.
+        """The updater's own hyperparameter `name` at `step` (1-based): a scalar tensor.
 
-        In a table's step, the value the trainer read for this step (its
-        variable, or its schedule at the step); elsewhere the updater's own.
+        Its constant, or its schedule at `step`. A table's step reads the
+        trainer's values instead (its variables), which reach the rule as its
+        `hp` argument.
         """
-        values = hyperparameters.current(self)
-        if values is not None and name in values:
-            return values[name]
         return value_at(getattr(self, name), step)
 
     def values_at(self, step, variables=None):
@@ -585,40 +584,41 @@ class Updater:
             return None
         return self.tf_kernel()
 
-    def apply_rule(self, rows, state, grads, learning_rate, step):
+    def apply_rule(self, rows, state, grads, hp):
         """The rule with the updater's options around it (what the machinery calls).
 
         Same arguments and result as `update`. With `lazy=False` the rows
         first catch up on the steps they missed (`sparseopt.updaters.catch_up`).
         """
         if self.swa is None and self.lookahead is None:
-            return self._rule_with_catch_up(rows, state, grads, learning_rate, step)
+            return self._rule_with_catch_up(rows, state, grads, hp)
         # The rule, then what follows the row: its average (`swa`), its offset
         # from the slow copy (`lookahead`).
         own = {k: v for k, v in state.items()
                if k not in (swa.AVERAGE_SLOT, swa.COUNT_SLOT, lookahead.OFFSET_SLOT)}
-        new_rows, new_state = self._rule_with_catch_up(rows, own, grads, learning_rate, step)
+        new_rows, new_state = self._rule_with_catch_up(rows, own, grads, hp)
         new_state = dict(new_state)
         if self.swa is not None:
             new_state[swa.AVERAGE_SLOT], new_state[swa.COUNT_SLOT] = swa.step(
-                state[swa.AVERAGE_SLOT], state[swa.COUNT_SLOT], rows, new_rows, step, *self.swa)
+                state[swa.AVERAGE_SLOT], state[swa.COUNT_SLOT], rows, new_rows, hp.step,
+                *self.swa)
         if self.lookahead is not None:
             new_state[lookahead.OFFSET_SLOT] = lookahead.offset_after(
                 state[lookahead.OFFSET_SLOT], rows, new_rows)
         return new_rows, new_state
 
-    def _rule_with_catch_up(self, rows, state, grads, learning_rate, step):
+    def _rule_with_catch_up(self, rows, state, grads, hp):
         if not self.tracks_rows:
-            return chain(self.transforms, self.update, rows, state, grads, learning_rate, step)
-        return catch_up.then_step(self, rows, state, grads, learning_rate, step)
+            return chain(self.transforms, self.update, rows, state, grads, hp)
+        return catch_up.then_step(self, rows, state, grads, hp)
 
-    # `missed_steps(self, rows, state, steps, decay, learning_rate)`: `steps`
+    # `missed_steps(self, rows, state, steps, decay, hp)`: `steps`
     # zero-gradient steps of the rule in closed form, what a dense optimizer
     # does to a row no batch touches (each step multiplies the row by `decay`,
     # decoupled weight decay, then applies the rule to a zero gradient);
     # returns `(rows, state)`. `steps` is int32 `[U]`, `state` the rule's own
-    # slots. None: no exact closed form, so `lazy=False` is refused.
-    # (`sparseopt.updaters.catch_up`.)
+    # slots, `hp` the step's hyperparameters (`hp.step` None). None: no exact
+    # closed form, so `lazy=False` is refused. (`sparseopt.updaters.catch_up`.)
     missed_steps = None
     # Whether `missed_steps` reads the learning rate (then it must be constant).
     missed_steps_read_learning_rate = False
@@ -630,7 +630,7 @@ class Updater:
         """The learning rate at `step` (the optimizer's 0-based iteration)."""
         return self.value("learning_rate", step + 1)
 
-    def update(self, rows, state, grads, learning_rate, step):
+    def update(self, rows, state, grads, hp):
         """Apply the rule to the touched rows.
 
         Args:
@@ -639,8 +639,10 @@ class Updater:
                 slots (`"column"`, `"table"`) as `update_whole` left them
                 this step.
             grads: `[U, D]` summed gradient of each touched row.
-            learning_rate: scalar tensor.
-            step: scalar int tensor, 1-based count of this update.
+            hp: the step's hyperparameters
+                (`sparseopt.updaters.hyperparameters.Values`): `hp.learning_rate`,
+                `hp.step` (int scalar, the 1-based count of this update) and
+                every hyperparameter by name (`hp.epsilon`).
 
         Returns:
             `(new_rows, new_state)` with the same shapes (`new_state` holds
@@ -648,7 +650,7 @@ class Updater:
         """
         raise NotImplementedError
 
-    def contributions(self, rows, state, grads, step):
+    def contributions(self, rows, state, grads, hp):
         """Each touched row's contribution to the sums the whole slots' update needs.
 
         For rules with `"column"` or `"table"` slots. The machinery sums
@@ -662,7 +664,7 @@ class Updater:
                 slots as they are before this step.
             grads: `[U, D]` summed gradient of each touched row, as the rule
                 will see it (after e.g. `clipvalue`).
-            step: scalar int tensor, 1-based count of this update.
+            hp: the step's hyperparameters, as for `update`.
 
         Returns:
             `{name: [U, ...] array}`; `{}` (the default) where the rule keeps
@@ -670,7 +672,7 @@ class Updater:
         """
         return {}
 
-    def update_whole(self, state, sums, num_rows, step):
+    def update_whole(self, state, sums, num_rows, hp):
         """The whole slots' new values, once per step, before the row rule reads them.
 
         Args:
@@ -678,7 +680,7 @@ class Updater:
             sums: `{name: array}`, `contributions` summed over the step's
                 distinct rows.
             num_rows: the table's row count (for means over all rows).
-            step: scalar int tensor, 1-based count of this update.
+            hp: the step's hyperparameters, as for `update`.
 
         Returns:
             `{name: new value}` for every whole slot.

@@ -73,7 +73,7 @@ def momentum_steps(rows, momentum, steps, a, b, c):
             momentum * power(b, steps)[:, None])
 
 
-def decay_only(updater, rows, state, steps, decay, learning_rate):
+def decay_only(updater, rows, state, steps, decay, hp):
     """`Updater.missed_steps` of a rule that a zero gradient leaves alone.
 
     SGD without momentum, Adagrad, row-wise Adagrad: a missed step only
@@ -82,18 +82,18 @@ def decay_only(updater, rows, state, steps, decay, learning_rate):
     return rows * power(decay, steps)[:, None], state
 
 
-def decay_per_step(updater, learning_rate):
+def decay_per_step(updater, hp):
     """The factor `1 - wd (* lr)` of decoupled weight decay per step, as the step reads it.
 
     A scalar tensor (1.0 without decay): `weight_decay` as the step's
-    hyperparameters give it (0 for a table excluded from weight decay), times
-    the step's learning rate unless `multiply_weight_decay_by_learning_rate=False`.
+    hyperparameters `hp` give it (0 for a table excluded from weight decay),
+    times the step's learning rate unless
+    `multiply_weight_decay_by_learning_rate=False`.
     """
     if "weight_decay" not in updater.options:
         return 1.0
     times_lr = updater.options.get("multiply_weight_decay_by_learning_rate", True)
-    wd = updater.value("weight_decay", None)
-    return 1.0 - wd * (learning_rate if times_lr else 1.0)
+    return 1.0 - hp.weight_decay * (hp.learning_rate if times_lr else 1.0)
 
 
 def decay_factor(updater):
@@ -153,7 +153,7 @@ def check(updater):
                 f"{owner}(lazy=False): the decay per step ({1 - factor:g}) must be below 1.")
 
 
-def _missed(updater, rows, state, missed, learning_rate):
+def _missed(updater, rows, state, missed, hp):
     """Rows, rule state and average offset after `missed` steps without a change.
 
     Returns:
@@ -163,15 +163,15 @@ def _missed(updater, rows, state, missed, learning_rate):
     """
     own = {k: v for k, v in state.items() if k not in (LAST_STEP_SLOT, EMA_OFFSET_SLOT)}
     if not updater.lazy:
-        rows, own = updater.missed_steps(rows, own, missed,
-                                         decay_per_step(updater, learning_rate), learning_rate)
+        rows, own = updater.missed_steps(rows, own, missed, decay_per_step(updater, hp),
+                                         hp.at(None))
     offset = None
     if updater.ema_momentum is not None:
         offset = state[EMA_OFFSET_SLOT] * power(updater.ema_momentum, missed)[:, None]
     return rows, own, offset
 
 
-def then_step(updater, rows, state, grads, learning_rate, step):
+def then_step(updater, rows, state, grads, hp):
     """Catches the touched rows up on their missed steps, then applies this step.
 
     Same arguments and result as `Updater.update`; `state` includes the
@@ -183,12 +183,10 @@ def then_step(updater, rows, state, grads, learning_rate, step):
     row from `w` to `w'`: `average' = m (w + e) + (1 - m) w'`, so
     `e' = m (w + e - w')`, with `m = 0` on the optimizer's first step, as Keras.
     """
-    step = ops.cast(step, "int32")
+    step = ops.cast(hp.step, "int32")
     last = state[LAST_STEP_SLOT]
-    rows, own, offset = _missed(updater, rows, state, ops.maximum(step - 1 - last, 0),
-                                learning_rate)
-    new_rows, new_state = chain(updater.transforms, updater.update, rows, own, grads,
-                                learning_rate, step)
+    rows, own, offset = _missed(updater, rows, state, ops.maximum(step - 1 - last, 0), hp)
+    new_rows, new_state = chain(updater.transforms, updater.update, rows, own, grads, hp)
     new_state[LAST_STEP_SLOT] = ops.full(ops.shape(last), step, "int32")
     if offset is not None:
         m = ops.where(step == 1, 0.0, updater.ema_momentum)
@@ -196,20 +194,20 @@ def then_step(updater, rows, state, grads, learning_rate, step):
     return new_rows, new_state
 
 
-def whole_table(updater, rows, state, steps_done, learning_rate):
+def whole_table(updater, rows, state, steps_done, hp):
     """Every row of a table brought up to step `steps_done` (`catch_up_tables`).
 
     Args:
         rows: `[V, D]` table; `state`: all its slots (with `last_step`).
         steps_done: int, the optimizer's iteration count.
-        learning_rate: scalar tensor.
+        hp: the hyperparameters of the last step (`Values`).
 
     Returns:
         `(rows, state)`.
     """
     last = state[LAST_STEP_SLOT]
     missed = ops.maximum(ops.cast(steps_done, "int32") - last, 0)
-    rows, own, offset = _missed(updater, rows, state, missed, learning_rate)
+    rows, own, offset = _missed(updater, rows, state, missed, hp)
     own[LAST_STEP_SLOT] = ops.full(ops.shape(last), steps_done, "int32")
     if offset is not None:
         own[EMA_OFFSET_SLOT] = offset

@@ -62,14 +62,15 @@ class FrequencyAwareAdagrad(Updater):
         self.slots = (SlotSpec("accumulator", False, self.initial_accumulator_value),
                       SlotSpec("local_step", rowwise=True, initial_value=0, dtype="int32"))
 
-    def update(self, rows, state, grads, learning_rate, step):
+    def update(self, rows, state, grads, hp):
+        learning_rate, step = hp.learning_rate, hp.step
         seen = state["local_step"] + 1
         iteration = ops.maximum(ops.cast(step, "float32") - 1.0, 1.0)
         boost = ops.minimum(ops.power(iteration / ops.cast(seen, "float32"),
-                                      self.value("rho", step)),
-                            self.value("max_lr_multiplier", step))
+                                      hp.rho),
+                            hp.max_lr_multiplier)
         acc = state["accumulator"] + ops.square(grads)
         direction = (boost[:, None] * grads * ops.rsqrt(acc)
-                     + self.value("l1_regularization_strength", step) * ops.sign(rows)
-                     + self.value("l2_regularization_strength", step) * rows)
+                     + hp.l1_regularization_strength * ops.sign(rows)
+                     + hp.l2_regularization_strength * rows)
         return rows - learning_rate * direction, {"accumulator": acc, "local_step": seen}

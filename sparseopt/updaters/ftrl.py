@@ -82,27 +82,27 @@ class Ftrl(Updater):
             SlotSpec("linear", False, 0.0),
         )
 
-    def _power(self, n, step):
+    def _power(self, n, hp):
         if self.learning_rate_power == -0.5:  # a constant -0.5: the usual root
             return ops.sqrt(n)
-        return ops.power(n, -self.value("learning_rate_power", step))
+        return ops.power(n, -hp.learning_rate_power)
 
-    def update(self, rows, state, grads, learning_rate, step):
-        lr = learning_rate
-        l1 = self.value("l1_regularization_strength", step)
-        l2 = self.value("l2_regularization_strength", step)
-        beta = self.value("beta", step)
+    def update(self, rows, state, grads, hp):
+        lr = hp.learning_rate
+        l1 = hp.l1_regularization_strength
+        l2 = hp.l2_regularization_strength
+        beta = hp.beta
         n, z = state["accumulator"], state["linear"]
         n_new = n + ops.square(grads)
-        delta = self._power(n_new, step) - self._power(n, step)
+        delta = self._power(n_new, hp) - self._power(n, hp)
         if self.multiply_linear_by_learning_rate:
             z_new = z + lr * grads - delta * rows
             threshold = lr * l1
-            denom = self._power(n_new, step) + beta + 2.0 * lr * l2
+            denom = self._power(n_new, hp) + beta + 2.0 * lr * l2
         else:
             z_new = z + grads - delta / lr * rows
             threshold = l1
-            denom = (self._power(n_new, step) + beta) / lr + 2.0 * l2
+            denom = (self._power(n_new, hp) + beta) / lr + 2.0 * l2
         # clip(z, -t, t) - z is 0 inside the band and sign(z) t - z outside.
         rows = (ops.clip(z_new, -threshold, threshold) - z_new) / denom
         return rows, {"accumulator": n_new, "linear": z_new}

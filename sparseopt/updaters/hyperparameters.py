@@ -17,17 +17,17 @@ TF's plain scatter; FTRL's `learning_rate_power=-0.5` takes a square root),
 or an option that was off (no transform to feed). Setting it after build is
 an error that names the table and the fix.
 
-The step reads the values through `reading(updater, values)`: the trainer
+A step's values reach its rule as an argument, `Values` (`hp`): the trainer
 evaluates every hyperparameter once per step (variables, schedules, the
-learning rate that follows the dense one) and the rule's `self.value(name,
-step)` returns them. Per thread: TF `MirroredStrategy` traces its replicas
-in threads, each with its own values.
+learning rate that follows the dense one) and hands them to the rule, its
+options and its wrappers (`update(rows, state, grads, hp)`, `hp.epsilon`). A
+rule reads nothing else: there is no context it could forget to set and so
+read a stale constant.
 """
 
-import contextlib
+import collections.abc
 import dataclasses
 import numbers
-import threading
 
 import keras
 
@@ -85,28 +85,46 @@ class Spec:
         return self.state and not isinstance(value, _Schedule) and self.fixed is not True
 
 
-_READING = threading.local()
+class Values(collections.abc.Mapping):
+    """The hyperparameters of one table's step, as its rule reads them: `hp`.
 
-
-@contextlib.contextmanager
-def reading(updater, values):
-    """Within: `updater.value(name, step)` returns `values[name]` (this thread only).
+    `hp.epsilon` (or `hp["epsilon"]`): a float32 scalar, this step's value
+    (a variable's, or a schedule's at the step); `hp.learning_rate`; and
+    `hp.step`, the 1-based update count (an int scalar), or None where a rule
+    is asked for the steps a row missed (`Updater.missed_steps`).
 
     Args:
-        updater: the `Updater` whose rule runs.
-        values: `{name: scalar tensor}`, or None to read the updater's own values.
+        values: `{name: scalar}`, every hyperparameter of the updater.
+        step: the step's 1-based update count, or None.
     """
-    stack = _READING.__dict__.setdefault("stack", [])
-    stack.append((updater, values))
-    try:
-        yield
-    finally:
-        stack.pop()
 
+    def __init__(self, values, step=None):
+        self._values = dict(values)
+        self.step = step
 
-def current(updater):
-    """The values `reading` set for `updater` in this thread, or None."""
-    for owner, values in reversed(_READING.__dict__.get("stack", ())):
-        if owner is updater:
-            return values
-    return None
+    def __getitem__(self, name):
+        return self._values[name]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self):
+        return len(self._values)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(
+                f"this step has no hyperparameter `{name}`; it has {sorted(self._values)} "
+                "(declare it with `Updater.hyperparameter`)") from None
+
+    def at(self, step):
+        """The same values for another `step` (None: steps a row missed)."""
+        return Values(self._values, step)
+
+    def replace(self, **values):
+        """The same with some values replaced."""
+        return Values({**self._values, **values}, self.step)

@@ -59,12 +59,13 @@ class Lamb(Updater):
         set_betas(self, beta_1, beta_2, epsilon, beta_1_fixed=False)
         self.slots = (SlotSpec("momentum"), SlotSpec("velocity"))
 
-    def update(self, rows, state, grads, learning_rate, step):
+    def update(self, rows, state, grads, hp):
+        learning_rate, step = hp.learning_rate, hp.step
         t = ops.cast(step, "float32")
-        b1, b2 = self.value("beta_1", step), self.value("beta_2", step)
+        b1, b2 = hp.beta_1, hp.beta_2
         m, v = moments(state, grads, b1, b2)
         r = (m / (1 - ops.power(b1, t))) / (ops.sqrt(v / (1 - ops.power(b2, t)))
-                                            + self.value("epsilon", step))
+                                            + hp.epsilon)
         return rows - learning_rate * trust_ratio(rows, r) * r, {"momentum": m, "velocity": v}
 
     def to_keras(self):

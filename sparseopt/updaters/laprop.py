@@ -50,11 +50,12 @@ class LaProp(Updater):
         self.slots = (SlotSpec("mu"), SlotSpec("nu"))
         self.unread_slots = () if self.b1 else ("mu",)
 
-    def update(self, rows, state, grads, learning_rate, step):
+    def update(self, rows, state, grads, hp):
+        learning_rate, step = hp.learning_rate, hp.step
         t = ops.cast(step, "float32")
-        b1, b2 = self.value("b1", step), self.value("b2", step)
+        b1, b2 = hp.b1, hp.b2
         d = b2 * (1 - ops.power(b2, t - 1)) / (1 - ops.power(b2, t))
-        nu = d * state["nu"] + (1 - d) * (ops.square(grads) + self.value("eps", step))
+        nu = d * state["nu"] + (1 - d) * (ops.square(grads) + hp.eps)
         scaled = ops.sqrt(1 - ops.square(b1)) * grads * ops.rsqrt(nu)
         if not self.b1:  # mu is this step's scaled gradient
             return rows - learning_rate * scaled, {"nu": nu}

@@ -43,8 +43,9 @@ class Lion(Updater):
         self.hyperparameter("beta_2", beta_2, lambda v: 0 <= v < 1, "in [0, 1)")
         self.slots = (SlotSpec("momentum"),)
 
-    def update(self, rows, state, grads, learning_rate, step):
-        b1, b2 = self.value("beta_1", step), self.value("beta_2", step)
+    def update(self, rows, state, grads, hp):
+        learning_rate = hp.learning_rate
+        b1, b2 = hp.beta_1, hp.beta_2
         m = state["momentum"]
         direction = ops.sign(b1 * m + (1 - b1) * grads)
         return rows - learning_rate * direction, {"momentum": b2 * m + (1 - b2) * grads}

@@ -72,15 +72,16 @@ class Nadam(Updater):
         set_betas(self, beta_1, beta_2, epsilon, beta_1_fixed=True, beta_1_schedule=False)
         self.slots = (SlotSpec("momentum"), SlotSpec("velocity"))
 
-    def update(self, rows, state, grads, learning_rate, step):
+    def update(self, rows, state, grads, hp):
+        learning_rate, step = hp.learning_rate, hp.step
         t = ops.cast(step, "float32")
-        b1, b2 = self.value("beta_1", step), self.value("beta_2", step)
+        b1, b2 = hp.beta_1, hp.beta_2
         u_t, u_next = momentum_schedule(b1, t), momentum_schedule(b1, t + 1)
         product = momentum_product(b1, t)  # P_t
         m, v = moments(state, grads, b1, b2)
         m_hat = u_next * m / (1 - product * u_next) + (1 - u_t) * grads / (1 - product)
         v_hat = v / (1 - ops.power(b2, t))
-        delta = learning_rate * m_hat / (ops.sqrt(v_hat) + self.value("epsilon", step))
+        delta = learning_rate * m_hat / (ops.sqrt(v_hat) + hp.epsilon)
         return rows - delta, {"momentum": m, "velocity": v}
 
     def to_keras(self):

@@ -42,12 +42,13 @@ class PartialRowwiseAdam(Updater):
         self.slots = (SlotSpec("momentum"), SlotSpec("velocity", rowwise=True))
         self.unread_slots = unread_momentum(self)
 
-    def update(self, rows, state, grads, learning_rate, step):
+    def update(self, rows, state, grads, hp):
+        learning_rate, step = hp.learning_rate, hp.step
         t = ops.cast(step, "float32")
-        b1, b2 = self.value("beta_1", step), self.value("beta_2", step)
+        b1, b2 = hp.beta_1, hp.beta_2
         m, moments = first_moment(self, state, grads, b1)
         v = b2 * state["velocity"] + (1 - b2) * ops.mean(ops.square(grads), axis=-1)
         m_hat = m / (1 - ops.power(b1, t))
         v_hat = v / (1 - ops.power(b2, t))
-        step_size = learning_rate / (ops.sqrt(v_hat) + self.value("epsilon", step))
+        step_size = learning_rate / (ops.sqrt(v_hat) + hp.epsilon)
         return rows - step_size[:, None] * m_hat, {**moments, "velocity": v}

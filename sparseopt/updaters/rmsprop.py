@@ -62,20 +62,21 @@ class RMSprop(Updater):
             slots.append(SlotSpec("average_gradient"))
         self.slots = tuple(slots)
 
-    def missed_steps(self, rows, state, steps, decay, learning_rate):
+    def missed_steps(self, rows, state, steps, decay, hp):
         # A zero gradient adds nothing but decays the averages; the momentum
         # still moves the row: m <- mu m; w <- decay w - mu m_old.
-        fade = catch_up.power(self.value("rho", None), steps)[:, None]
+        fade = catch_up.power(hp.rho, steps)[:, None]
         new = {name: state[name] * fade for name in ("velocity", "average_gradient")
                if name in state}
         if not self.momentum:
-            return catch_up.decay_only(self, rows, state, steps, decay, learning_rate)[0], new
-        mu = self.value("momentum", None)
+            return catch_up.decay_only(self, rows, state, steps, decay, hp)[0], new
+        mu = hp.momentum
         rows, m = catch_up.momentum_steps(rows, state["momentum"], steps, decay, mu, -mu)
         return rows, {**new, "momentum": m}
 
-    def update(self, rows, state, grads, learning_rate, step):
-        rho, eps = self.value("rho", step), self.value("epsilon", step)
+    def update(self, rows, state, grads, hp):
+        learning_rate = hp.learning_rate
+        rho, eps = hp.rho, hp.epsilon
         v = rho * state["velocity"] + (1 - rho) * ops.square(grads)
         new = {"velocity": v}
         if self.centered:
@@ -87,7 +88,7 @@ class RMSprop(Updater):
         increment = learning_rate * grads / ops.sqrt(denominator)
         if not self.momentum:
             return rows - increment, new
-        m = self.value("momentum", step) * state["momentum"] + increment
+        m = hp.momentum * state["momentum"] + increment
         return rows - m, {**new, "momentum": m}
 
     def to_keras(self):

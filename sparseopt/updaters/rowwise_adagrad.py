@@ -41,7 +41,8 @@ class RowwiseAdagrad(Updater):
 
     missed_steps = catch_up.decay_only  # a zero gradient leaves row and accumulator
 
-    def update(self, rows, state, grads, learning_rate, step):
+    def update(self, rows, state, grads, hp):
+        learning_rate = hp.learning_rate
         acc = state["accumulator"] + ops.mean(ops.square(grads), axis=-1)
-        scale = learning_rate / (ops.sqrt(acc) + self.value("epsilon", step))
+        scale = learning_rate / (ops.sqrt(acc) + hp.epsilon)
         return rows - scale[:, None] * grads, {"accumulator": acc}

@@ -61,19 +61,20 @@ class SGD(Updater):
         return cls(learning_rate, momentum=config.get("momentum", 0.0),
                    nesterov=config.get("nesterov", False))
 
-    def missed_steps(self, rows, state, steps, decay, learning_rate):
+    def missed_steps(self, rows, state, steps, decay, hp):
         if not self.momentum:
-            return catch_up.decay_only(self, rows, state, steps, decay, learning_rate)
+            return catch_up.decay_only(self, rows, state, steps, decay, hp)
         # One missed step: m <- mu m; w <- decay w + mu m_old (nesterov: mu^2 m_old).
-        mu = self.value("momentum", None)
+        mu = hp.momentum
         weight = mu * mu if self.nesterov else mu
         rows, m = catch_up.momentum_steps(rows, state["momentum"], steps, decay, mu, weight)
         return rows, {"momentum": m}
 
-    def update(self, rows, state, grads, learning_rate, step):
+    def update(self, rows, state, grads, hp):
+        learning_rate = hp.learning_rate
         if not self.momentum:
             return rows - learning_rate * grads, {}
-        mu = self.value("momentum", step)
+        mu = hp.momentum
         m = mu * state["momentum"] - learning_rate * grads
         if self.nesterov:
             return rows + mu * m - learning_rate * grads, {"momentum": m}

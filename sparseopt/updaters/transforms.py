@@ -58,11 +58,12 @@ def _scale_to_norm(x, limit):
 class RowTransform:
     """One option: pure functions of the touched rows. Subclasses override one or both."""
 
-    def before_rule(self, rows, grads, learning_rate, step):
-        """Returns `(rows, grads)` as the rule sees them (each `[U, D]`)."""
+    def before_rule(self, rows, grads, hp):
+        """Returns `(rows, grads)` as the rule sees them (each `[U, D]`); `hp`: the step's
+        hyperparameters (`sparseopt.updaters.hyperparameters.Values`)."""
         return rows, grads
 
-    def after_rule(self, rows, new_rows, learning_rate, step):
+    def after_rule(self, rows, new_rows, hp):
         """Returns the rows written back, given the rule's `new_rows` (`[U, D]`)."""
         return new_rows
 
@@ -73,40 +74,31 @@ class ClipValue(RowTransform):
     The summed gradient is what a dense optimizer sees for that row, so this is
     `keras.optimizers.Optimizer(clipvalue=limit)` for a table.
 
-    Args:
-        read: `read(name, step)`, the option's value at `step` (`Updater.value`).
+    Reads `clipvalue` from the step's hyperparameters.
     """
 
-    def __init__(self, read):
-        self.read = read
-
-    def before_rule(self, rows, grads, learning_rate, step):
-        limit = self.read("clipvalue", step)
-        return rows, ops.clip(grads, -limit, limit)
+    def before_rule(self, rows, grads, hp):
+        return rows, ops.clip(grads, -hp.clipvalue, hp.clipvalue)
 
 
 class ClipNorm(RowTransform):
     """Scales each row's summed gradient down to L2 norm `limit` where it is larger.
 
     Per row (FBGEMM's and TPU embedding's granularity), unlike Keras'
-    `clipnorm`, which clips the norm of a variable's whole gradient.
-
-    Args:
-        read: as `ClipValue`'s.
+    `clipnorm`, which clips the norm of a variable's whole gradient. Reads
+    `clipnorm`.
     """
 
-    def __init__(self, read):
-        self.read = read
-
-    def before_rule(self, rows, grads, learning_rate, step):
-        return rows, _scale_to_norm(grads, self.read("clipnorm", step))
+    def before_rule(self, rows, grads, hp):
+        return rows, _scale_to_norm(grads, hp.clipnorm)
 
 
 class WeightDecay(RowTransform):
     """Weight decay of the touched rows.
 
+    Reads `weight_decay`, the decay `wd` (`>= 0`).
+
     Args:
-        read: as `ClipValue`'s; reads `weight_decay`, the decay `wd` (`>= 0`).
         mode: `"decoupled"`: `w <- w - wd * w` before the rule (Keras'
             `weight_decay`, AdamW); `"l2"`: `g <- g + wd * w` (an L2 penalty
             `wd / 2 * ||w||^2` on the touched rows, TPU embedding's
@@ -115,17 +107,16 @@ class WeightDecay(RowTransform):
             for `"decoupled"` (as Keras), no for `"l2"` (a penalty's gradient).
     """
 
-    def __init__(self, read, mode, times_learning_rate):
-        self.read, self.mode = read, mode
+    def __init__(self, mode, times_learning_rate):
+        self.mode = mode
         self.times_learning_rate = (mode == "decoupled" if times_learning_rate is None
                                     else times_learning_rate)
 
-    def _amount(self, learning_rate, step):
-        factor = self.read("weight_decay", step)
-        return factor * learning_rate if self.times_learning_rate else factor
+    def _amount(self, hp):
+        return hp.weight_decay * hp.learning_rate if self.times_learning_rate else hp.weight_decay
 
-    def before_rule(self, rows, grads, learning_rate, step):
-        amount = self._amount(learning_rate, step)
+    def before_rule(self, rows, grads, hp):
+        amount = self._amount(hp)
         if self.mode == "l2":
             return rows, grads + amount * rows
         return rows - amount * rows, grads
@@ -135,33 +126,25 @@ class ClipWeight(RowTransform):
     """Clips each entry of the updated rows to `[low, high]` (whichever is set).
 
     Args:
-        read: as `ClipValue`'s.
         low, high: whether `clip_weight_min` / `clip_weight_max` are set.
     """
 
-    def __init__(self, read, low, high):
-        self.read, self.low, self.high = read, low, high
+    def __init__(self, low, high):
+        self.low, self.high = low, high
 
-    def after_rule(self, rows, new_rows, learning_rate, step):
+    def after_rule(self, rows, new_rows, hp):
         if self.low:
-            new_rows = ops.maximum(new_rows, self.read("clip_weight_min", step))
+            new_rows = ops.maximum(new_rows, hp.clip_weight_min)
         if self.high:
-            new_rows = ops.minimum(new_rows, self.read("clip_weight_max", step))
+            new_rows = ops.minimum(new_rows, hp.clip_weight_max)
         return new_rows
 
 
 class MaxNorm(RowTransform):
-    """Scales each updated row down to L2 norm `max_norm` where it is larger.
+    """Scales each updated row down to L2 norm `max_norm` where it is larger."""
 
-    Args:
-        read: as `ClipValue`'s.
-    """
-
-    def __init__(self, read):
-        self.read = read
-
-    def after_rule(self, rows, new_rows, learning_rate, step):
-        return _scale_to_norm(new_rows, self.read("max_norm", step))
+    def after_rule(self, rows, new_rows, hp):
+        return _scale_to_norm(new_rows, hp.max_norm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,46 +230,47 @@ def check_options(owner, options):
     return out
 
 
-def transforms_from(options, read):
+def transforms_from(options):
     """The transforms for checked `options` (from `check_options`), in the chain's order.
+
+    Each reads its value from the step's hyperparameters (`hp`), so a value
+    that changes (a variable of the step, or a schedule) reaches it.
 
     Args:
         options: the checked options.
-        read: `read(name, step)`, an option's value at `step`: each transform
-            reads its value through it, so a value that changes (a variable
-            of the step, or a schedule) reaches it.
     """
     out = []
     decay = None
     if "weight_decay" in options:
-        decay = WeightDecay(read, options.get("weight_decay_mode", "decoupled"),
+        decay = WeightDecay(options.get("weight_decay_mode", "decoupled"),
                             options.get("multiply_weight_decay_by_learning_rate"))
     if decay is not None and decay.mode == "l2":
         out.append(decay)
     if "clipvalue" in options:
-        out.append(ClipValue(read))
+        out.append(ClipValue())
     if "clipnorm" in options:
-        out.append(ClipNorm(read))
+        out.append(ClipNorm())
     if decay is not None and decay.mode == "decoupled":
         out.append(decay)
     if "clip_weight_min" in options or "clip_weight_max" in options:
-        out.append(ClipWeight(read, "clip_weight_min" in options, "clip_weight_max" in options))
+        out.append(ClipWeight("clip_weight_min" in options, "clip_weight_max" in options))
     if "max_norm" in options:
-        out.append(MaxNorm(read))
+        out.append(MaxNorm())
     return tuple(out)
 
 
-def before_rule(transforms, rows, grads, learning_rate, step):
+def before_rule(transforms, rows, grads, hp):
     """`(rows, grads)` as the rule sees them: after every transform's `before_rule`."""
     for t in transforms:
-        rows, grads = t.before_rule(rows, grads, learning_rate, step)
+        rows, grads = t.before_rule(rows, grads, hp)
     return rows, grads
 
 
-def chain(transforms, rule, rows, state, grads, learning_rate, step):
-    """Applies `rule` with `transforms` around it (before the rule, then after it, in order)."""
-    rows, grads = before_rule(transforms, rows, grads, learning_rate, step)
-    new_rows, new_state = rule(rows, state, grads, learning_rate, step)
+def chain(transforms, rule, rows, state, grads, hp):
+    """Applies `rule(rows, state, grads, hp)` with `transforms` around it (before the rule,
+    then after it, in order)."""
+    rows, grads = before_rule(transforms, rows, grads, hp)
+    new_rows, new_state = rule(rows, state, grads, hp)
     for t in transforms:
-        new_rows = t.after_rule(rows, new_rows, learning_rate, step)
+        new_rows = t.after_rule(rows, new_rows, hp)
     return new_rows, new_state
