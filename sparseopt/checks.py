@@ -177,25 +177,3 @@ def replicas(tables):
             "train on one device, or shard the tables on JAX with keras.distribution "
             "(see sparseopt.distribution.row_sharded)."
         )
-
-
-def int8_table(path, updater):
-    """What an int8 table's step cannot do: Lookahead, refused with the fix.
-
-    Its rows reach the table only through the step's write buffer, which
-    holds the rows looked up in the step (`sparseopt.storage.int8_table`): a sync
-    inside a step of rows changed earlier has no way in. (Whole-table writes
-    between steps, as the end of `fit` makes, assign the table directly.)
-
-    Args:
-        path: the table's path.
-        updater: its `Updater`.
-    """
-    fix = "or store the table in bfloat16 (half the memory of float32)"
-    if updater.lookahead is not None:
-        raise ValueError(
-            f"Table '{path}' (int8): {type(updater).__name__} with lookahead_period is not "
-            "supported on int8 tables: its sync reads and writes, inside a step, rows changed "
-            "earlier in the window, and an int8 table's step sees only the rows its lookups "
-            "read in that step (syncing them would need a write buffer for every row of the "
-            f"window). Leave it out, {fix}.")

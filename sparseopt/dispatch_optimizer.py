@@ -31,7 +31,7 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
     over the dense gradients and the tables' (`sparseopt.clipping`). Keras'
     learning-rate callbacks reach the tables in proportion (each updater's
     `follow_learning_rate`), and every updater hyperparameter can change
-    between steps (`sparseopt.updaters.hyperparameters`).
+    between steps (`sparseopt.updaters.core.hyperparameters`).
     `exclude_from_weight_decay` applies to the dense optimizers and to the
     tables' `weight_decay`. The wrapped optimizer's `clipnorm`, `clipvalue`,
     `weight_decay` and `use_ema` act on dense variables only (each updater
@@ -793,24 +793,18 @@ class DispatchOptimizer(keras.optimizers.Optimizer):
             return trainer.swa_average(self._steps_done())
 
     def finalize_variable_values(self, var_list):
-        """Catches up every row, then gives `ema_momentum` and `swa_period` tables their
-        average, and writes int8 tables' last buffered rows (Keras' hook, called at
-        the end of `fit`)."""
-        self.catch_up_tables()
-        with backend.outside_trace():
-            for trainer in self._trainers.values():
-                if trainer.int8 is not None:
-                    trainer.int8.flush()
-        averaged = [t for t in self._trainers.values() if t.updater.ema_momentum is not None]
-        swa = [t for t in self._trainers.values() if t.updater.swa is not None]
-        if averaged or swa:
+        """Each table's end of `fit` (Keras' hook): its updater's wrappers' (every row
+        caught up; `ema_momentum` and `swa_period` tables take their average), then an
+        int8 table's last buffered rows written (`TableTrainer.end_of_fit`)."""
+        # Only tables with something to do (a failed first step leaves nothing to read).
+        trainers = [t for t in getattr(self, "_trainers", {}).values()
+                    if t.updater.wrappers or t.int8 is not None]
+        if trainers:
             steps_done = self._steps_done()
             with backend.outside_trace():
                 scale = self._scale_of_rate()
-                for trainer in averaged:
-                    trainer.use_moving_average(steps_done, scale)
-                for trainer in swa:
-                    trainer.use_swa_average(steps_done)
+                for trainer in trainers:
+                    trainer.end_of_fit(steps_done, scale)
         for opt in self._dense_optimizers:
             opt.finalize_variable_values(
                 [v for v in var_list if self._route.get(self._var_key(v)) is opt]

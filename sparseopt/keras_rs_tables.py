@@ -25,7 +25,7 @@ import keras
 
 from sparseopt import backend, compat
 from sparseopt.ops.lookup import SparseLookup
-from sparseopt.updaters.keras_conversion import from_keras_optimizer
+from sparseopt.updaters.core.keras_conversion import from_keras_optimizer
 
 
 def default_device_tables(layers, wanted):

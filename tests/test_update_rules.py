@@ -14,7 +14,7 @@ VOCAB, WIDTH, N_IDS, BATCH, STEPS = 300, 4, 5, 8, 50
 
 # Every shipped updater, with each hyperparameter set its registry entry names.
 REGISTRY = sparseopt.updaters.registry(shipped_only=True)
-# ... and with the options every updater takes (sparseopt.updaters.transforms),
+# ... and with the options every updater takes (sparseopt.updaters.core.transforms),
 # two sets that together hold every option, each set on every updater. The
 # table starts in [-0.05, 0.05]: the weight clips and max_norm bite.
 OPTION_SETS = {
@@ -112,7 +112,7 @@ def test_updater_matches_numpy_reference_in_bfloat16(case):
 
 @pytest.mark.backend_independent
 def test_every_registered_updater_has_an_independent_reference():
-    from sparseopt.updaters import transforms
+    from sparseopt.updaters.core import transforms
     from tests import reference
 
     assert set(REGISTRY) <= set(reference.RULES), "add its formula to tests/reference.py"

@@ -16,8 +16,8 @@ from keras import ops
 
 from sparseopt import backend
 from sparseopt.engine import kernels
-from sparseopt.updaters import transforms
-from sparseopt.updaters.hyperparameters import Values
+from sparseopt.updaters.core import transforms
+from sparseopt.updaters.core.hyperparameters import Values
 
 
 class Prepared:

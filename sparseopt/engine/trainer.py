@@ -17,15 +17,18 @@ import keras
 import numpy as np
 from keras import ops
 
-from sparseopt import backend, checks, compat, storage, updaters
+from sparseopt import backend, compat, storage, updaters
 from sparseopt.distribution import layout_like, replicated_beside
 from sparseopt.engine import plans
 from sparseopt.engine.stages import prepare
 from sparseopt.storage import precision
 from sparseopt.storage.kinds import kind_for
-from sparseopt.updaters.hyperparameters import Values
-from sparseopt.updaters.transforms import value_at
-from sparseopt.lookahead_window import LookaheadWindow
+from sparseopt.updaters.core.hyperparameters import Values
+from sparseopt.updaters.core.transforms import value_at
+from sparseopt.updaters.wrappers.catch_up import catch_up_whole
+from sparseopt.updaters.wrappers.ema import MovingAverage
+from sparseopt.updaters.wrappers.swa import WeightAverage
+from sparseopt.engine.lookahead_window import LookaheadWindow
 
 
 class _FromTable(keras.initializers.Initializer):
@@ -125,9 +128,11 @@ class TableTrainer:
                 "statistics of the whole table's values, which an open vocabulary changes "
                 "outside the rule when it gives a row to a new id. Use lazy=True on a "
                 "DynamicEmbedding.")
-        if self.int8 is not None:
-            checks.int8_table(self.table.path, self.updater)
-        kind_for(self.storage, self.int8 is not None)  # (a kind nobody registered)
+        kind = kind_for(self.storage, self.int8 is not None)  # (a kind nobody registered)
+        for wrapper in self.updater.wrappers:  # what a wrapper needs of the rows' storage
+            check_storage = getattr(wrapper, "check_storage", None)
+            if check_storage is not None:
+                check_storage(self.updater, self.table.path, kind)
 
     def build(self, optimizer, workspace=True, index=0):
         """Creates the state with `optimizer.add_variable`, named after the table.
@@ -173,9 +178,10 @@ class TableTrainer:
             self.hyperparameters[name] = optimizer.add_variable(
                 shape=(), dtype="float32", initializer=_Filled(value),
                 name=f"{prefix}_hyperparameter_{name}")
-        if self.updater.lookahead is not None:
-            self.lookahead = LookaheadWindow(*self.updater.lookahead)
-            self.lookahead.build(optimizer, table, prefix)
+        for wrapper in self.updater.wrappers:
+            if wrapper.keeps_window:  # (Lookahead: the rows changed since its last sync)
+                self.lookahead = LookaheadWindow(wrapper.period, wrapper.step_size)
+                self.lookahead.build(optimizer, table, prefix)
         self._optimizer = weakref.ref(optimizer)
         self.updater.bind(self)
 
@@ -335,6 +341,14 @@ class TableTrainer:
         """Counts the step as skipped unless `applied` (a boolean scalar tensor)."""
         self.skipped.assign_add(1 - ops.cast(applied, "int32"))
 
+    def _wrapper(self, kind):
+        """The updater's wrapper of class `kind`, or None."""
+        return next((w for w in self.updater.wrappers if isinstance(w, kind)), None)
+
+    def _last_values(self, steps_done, learning_rate_scale):
+        """The hyperparameters of the last step (what whole-table work reads)."""
+        return Values(self.values_at(max(steps_done - 1, 0), learning_rate_scale), steps_done)
+
     def catch_up(self, steps_done, learning_rate_scale=1.0):
         """Brings every row up to step `steps_done` (`lazy=False` or `ema_momentum`).
 
@@ -348,55 +362,34 @@ class TableTrainer:
             steps_done: int, the optimizer's iteration count.
             learning_rate_scale: as for `values_at`.
         """
-        if not self.updater.tracks_rows:
-            return
-        rows, state = self._caught_up(steps_done, learning_rate_scale)
-        self.row_storage.assign_values(rows, steps_done)
-        for name in precision.variable_indices(self.updater):
-            self.row_storage.assign_state(name, state[name], steps_done)
+        hp = self._last_values(steps_done, learning_rate_scale)
+        for wrapper in self.updater.wrappers:
+            if wrapper.tracks_rows:
+                catch_up_whole(wrapper, self.updater, self.row_storage, steps_done, hp)
 
-    def _caught_up(self, steps_done, learning_rate_scale=1.0):
-        """`(rows, state)` of the whole table brought up to `steps_done`, not assigned."""
-        state = {s.name: self.row_storage.state_values(s.name) for s in self.updater.slots}
-        values = self.values_at(max(steps_done - 1, 0), learning_rate_scale)
-        return updaters.catch_up.whole_table(self.updater, self.row_storage.values(), state,
-                                             steps_done, Values(values, steps_done))
+    def end_of_fit(self, steps_done, learning_rate_scale=1.0):
+        """Each wrapper's end of `fit`, in order (every row caught up; the table takes its
+        moving or weight average), then an int8 table's last buffered rows written.
+
+        Args:
+            steps_done, learning_rate_scale: as for `catch_up`.
+        """
+        hp = self._last_values(steps_done, learning_rate_scale)
+        for wrapper in self.updater.wrappers:
+            wrapper.end_of_fit(self.updater, self.row_storage, steps_done, hp)
+        if self.int8 is not None:
+            self.int8.flush()
 
     def moving_average(self, steps_done, learning_rate_scale=1.0):
         """The table's moving average at `steps_done` (`ema_momentum` only), a tensor."""
-        rows, state = self._caught_up(steps_done, learning_rate_scale)
-        return rows + state[updaters.catch_up.EMA_OFFSET_SLOT]
-
-    def use_moving_average(self, steps_done, learning_rate_scale=1.0):
-        """Overwrites the table with its moving average (as Keras' `use_ema` at the end of
-        `fit`); the average stays what it was."""
-        self.catch_up(steps_done, learning_rate_scale)
-        offset = updaters.catch_up.EMA_OFFSET_SLOT
-        self.row_storage.assign_values(
-            self.row_storage.values() + self.row_storage.state_values(offset), steps_done)
-        self.row_storage.assign_state(offset, ops.zeros(self.slots[offset].shape, "float32"),
-                                      steps_done, rounded=False)
+        return self._wrapper(MovingAverage).average(
+            self.updater, self.row_storage, steps_done,
+            self._last_values(steps_done, learning_rate_scale))
 
     def swa_average(self, steps_done):
         """The table's SWA average after `steps_done` steps (`swa_period` only), a tensor."""
-        start, period = self.updater.swa
-        return updaters.swa.table_average(
-            self.row_storage.values(), self.row_storage.state_values(updaters.swa.AVERAGE_SLOT),
-            self.row_storage.state_values(updaters.swa.COUNT_SLOT), steps_done, start, period)
-
-    def use_swa_average(self, steps_done):
-        """Overwrites the table with its SWA average; every row's record then counts all
-        the snapshots taken (the rows are their averages from here on)."""
-        start, period = self.updater.swa
-        average = self.swa_average(steps_done)
-        self.row_storage.assign_values(average, steps_done)
-        self.row_storage.assign_state(updaters.swa.AVERAGE_SLOT, average, steps_done,
-                                      rounded=False)
-        count = self.slots[updaters.swa.COUNT_SLOT]
-        self.row_storage.assign_state(
-            updaters.swa.COUNT_SLOT,
-            ops.full(count.shape, updaters.swa.snapshots(steps_done, start, period), "int32"),
-            steps_done, rounded=False)
+        return self._wrapper(WeightAverage).average(self.updater, self.row_storage,
+                                                    steps_done, None)
 
     def skipped_steps(self):
         return int(ops.convert_to_numpy(self.skipped.value))

@@ -3,7 +3,7 @@
 import keras
 from keras import ops
 
-from sparseopt.updaters.base import SlotSpec, Updater
+from sparseopt.updaters.core.base import SlotSpec, Updater
 
 
 def _sum_of_squares(table):

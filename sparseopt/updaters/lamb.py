@@ -4,7 +4,7 @@ import keras
 from keras import ops
 
 from sparseopt.updaters.adam import keras_betas, moments, set_betas
-from sparseopt.updaters.base import SlotSpec, Updater
+from sparseopt.updaters.core.base import SlotSpec, Updater
 
 
 def trust_ratio(rows, update):

@@ -3,7 +3,7 @@
 import keras
 from keras import ops
 
-from sparseopt.updaters.base import SlotSpec, Updater
+from sparseopt.updaters.core.base import SlotSpec, Updater
 
 
 @keras.saving.register_keras_serializable(package="sparseopt")

@@ -4,7 +4,7 @@ import keras
 from keras import ops
 
 from sparseopt.updaters.adam import keras_betas, moments, set_betas
-from sparseopt.updaters.base import SlotSpec, Updater
+from sparseopt.updaters.core.base import SlotSpec, Updater
 
 
 # 0.5 * 0.96^k is below float32's resolution of 1 from k = 400 on: the

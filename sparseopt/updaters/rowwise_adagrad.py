@@ -3,8 +3,8 @@
 import keras
 from keras import ops
 
-from sparseopt.updaters import catch_up
-from sparseopt.updaters.base import SlotSpec, Updater
+from sparseopt.updaters.wrappers import catch_up
+from sparseopt.updaters.core.base import SlotSpec, Updater
 
 
 @keras.saving.register_keras_serializable(package="sparseopt")

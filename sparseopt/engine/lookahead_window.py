@@ -1,7 +1,7 @@
 """Lookahead's window: the rows of a table changed since its last sync, and the sync.
 
 The rule keeps each row's offset from its slow copy
-(`sparseopt.updaters.lookahead`). A row the rule did not change since the
+(`sparseopt.updaters.wrappers.lookahead`). A row the rule did not change since the
 last sync has offset 0 and needs no sync, so this keeps, per table, the
 rows changed in the current window, and the step that ends the window syncs
 those rows only:
@@ -28,7 +28,7 @@ from keras import ops
 
 from sparseopt import backend
 from sparseopt.distribution import layout_like, replicated_beside
-from sparseopt.updaters import lookahead
+from sparseopt.updaters.wrappers import lookahead
 
 
 def _minus_one(shape, dtype=None):

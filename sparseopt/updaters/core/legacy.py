@@ -1,7 +1,7 @@
 """Rules written for sparseopt 0.2's signatures, still run (with a warning).
 
 Rules now get the step's hyperparameters as an argument, `hp`
-(`sparseopt.updaters.hyperparameters.Values`): `update(rows, state, grads, hp)`,
+(`sparseopt.updaters.core.hyperparameters.Values`): `update(rows, state, grads, hp)`,
 `contributions(rows, state, grads, hp)`, `update_whole(state, sums, num_rows,
 hp)`, `missed_steps(rows, state, steps, decay, hp)`. A user's rule written
 the older way, `update(rows, state, grads, learning_rate, step)` reading

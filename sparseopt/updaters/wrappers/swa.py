@@ -24,6 +24,8 @@ move while untouched).
 
 from keras import ops
 
+from sparseopt.updaters.core.slots import SlotSpec
+
 AVERAGE_SLOT = "swa_average"
 COUNT_SLOT = "swa_count"
 
@@ -88,3 +90,62 @@ def check(owner, start, period):
     if isinstance(start, bool) or not isinstance(start, int) or start < 0:
         raise ValueError(f"{owner}: `swa_start` must be an int >= 0, got {start!r}.")
     return int(start), int(period)
+
+
+AVERAGE = SlotSpec(AVERAGE_SLOT)
+COUNT = SlotSpec(COUNT_SLOT, rowwise=True, initial_value=0, dtype="int32")
+
+
+class WeightAverage:
+    """Stochastic weight averaging of each row (`swa_period`, `swa_start`).
+
+    Args:
+        start, period: the schedule (module docstring).
+    """
+
+    slots = (AVERAGE, COUNT)
+    tracks_rows = False
+    keeps_window = False
+
+    def __init__(self, start, period):
+        self.start, self.period = start, period
+
+    def check(self, updater):
+        moves_untouched = not updater.lazy and not updater.dense_in_rule
+        if moves_untouched or updater.ema_momentum is not None:
+            raise ValueError(
+                f"{type(updater).__name__}: `swa_period` with "
+                f"{'lazy=False' if moves_untouched else 'ema_momentum'} is not supported: "
+                + ("rows that move while untouched give every snapshot a different value, "
+                   "which has no closed form here. Use lazy=True with swa_period."
+                   if moves_untouched else "both would give the table their average at the "
+                   "end of `fit`. Use one or the other."))
+
+    def around(self, updater, rule):
+        """`rule`, then each changed row's average brought up to this step's snapshot."""
+        def run(rows, state, grads, hp):
+            new_rows, new_state = rule(
+                rows, {k: v for k, v in state.items() if k not in (AVERAGE_SLOT, COUNT_SLOT)},
+                grads, hp)
+            average, count = step(state[AVERAGE_SLOT], state[COUNT_SLOT], rows, new_rows,
+                                  hp.step, self.start, self.period)
+            return new_rows, {**new_state, AVERAGE_SLOT: average, COUNT_SLOT: count}
+
+        return run
+
+    def average(self, updater, storage, steps_done, hp):
+        """The table's SWA average after `steps_done` steps (float32 `[V, D]`)."""
+        return table_average(storage.values(), storage.state_values(AVERAGE_SLOT),
+                             storage.state_values(COUNT_SLOT), steps_done, self.start,
+                             self.period)
+
+    def end_of_fit(self, updater, storage, steps_done, hp):
+        """The table takes its average; every row's record then counts all the snapshots
+        taken (the rows are their averages from here on)."""
+        average = self.average(updater, storage, steps_done, hp)
+        storage.assign_values(average, steps_done)
+        storage.assign_state(AVERAGE_SLOT, average, steps_done, rounded=False)
+        storage.assign_state(
+            COUNT_SLOT, ops.full(storage.slots[COUNT_SLOT].shape,
+                                 snapshots(steps_done, self.start, self.period), "int32"),
+            steps_done, rounded=False)

@@ -60,7 +60,7 @@ class RowTransform:
 
     def before_rule(self, rows, grads, hp):
         """Returns `(rows, grads)` as the rule sees them (each `[U, D]`); `hp`: the step's
-        hyperparameters (`sparseopt.updaters.hyperparameters.Values`)."""
+        hyperparameters (`sparseopt.updaters.core.hyperparameters.Values`)."""
         return rows, grads
 
     def after_rule(self, rows, new_rows, hp):

@@ -13,7 +13,7 @@ import numbers
 import keras
 
 from sparseopt import compat
-from sparseopt.updaters.base import STORAGE_DEFAULTS, registry
+from sparseopt.updaters.core.base import STORAGE_DEFAULTS, registry
 
 # Options of keras.optimizers.Optimizer that a per-table sparse rule cannot honour.
 _UNSUPPORTED_BASE = {

@@ -1,4 +1,4 @@
-"""Dense semantics at sparse cost: rows catch up on the steps they missed (`lazy=False`).
+"""`lazy=False`: dense semantics at sparse cost, rows catch up on the steps they missed.
 
 A dense optimizer moves rows that a batch did not touch: decoupled weight
 decay shrinks every row every step, and momentum keeps moving a row after its
@@ -27,9 +27,14 @@ so after `k` steps `m_k = b^k m` and `w_k = a^k w + c m S_k` with
 
 from keras import ops
 
-from sparseopt.updaters.transforms import chain
+from sparseopt.updaters.core.slots import SlotSpec
 
 LAST_STEP_SLOT = "last_step"
+# The step that last updated each row (0: never): kept by `lazy=False` and by
+# `ema_momentum` (`ema.py`), which never go together.
+LAST_STEP = SlotSpec(LAST_STEP_SLOT, rowwise=True, initial_value=0, dtype="int32",
+                     holds_step=True)
+# (The moving average's slot, named here where earlier versions named it.)
 EMA_OFFSET_SLOT = "ema_offset"
 
 
@@ -153,62 +158,73 @@ def check(updater):
                 f"{owner}(lazy=False): the decay per step ({1 - factor:g}) must be below 1.")
 
 
-def _missed(updater, rows, state, missed, hp):
-    """Rows, rule state and average offset after `missed` steps without a change.
-
-    Returns:
-        `(rows, own state, ema offset or None)`: `lazy=False` rows take their
-        missed steps; the moving average's offset `average - row` of a row
-        that did not change decays by `m` a step.
-    """
-    own = {k: v for k, v in state.items() if k not in (LAST_STEP_SLOT, EMA_OFFSET_SLOT)}
-    if not updater.lazy:
-        rows, own = updater.missed_steps(rows, own, missed, decay_per_step(updater, hp),
-                                         hp.at(None))
-    offset = None
-    if updater.ema_momentum is not None:
-        offset = state[EMA_OFFSET_SLOT] * power(updater.ema_momentum, missed)[:, None]
-    return rows, own, offset
+def refuse_whole_state(updater):
+    """Refuses a catch-up of a rule with whole-table state (its rows' missed steps would
+    depend on every other row's); shared with `ema.py`."""
+    whole = [spec.name for spec in updater.rule_slots if not spec.per_row]
+    if whole and not updater.dense_in_rule:
+        raise ValueError(
+            f"{type(updater).__name__}: `lazy=False` and `ema_momentum` are not supported "
+            f"with whole-table state {whole}: a row's missed steps would depend on every "
+            "other row's. Use the default lazy=True without ema_momentum.")
 
 
-def then_step(updater, rows, state, grads, hp):
-    """Catches the touched rows up on their missed steps, then applies this step.
-
-    Same arguments and result as `Updater.update`; `state` includes the
-    `last_step` slot (and `ema_offset` where `ema_momentum` is set).
-
-    The moving average is kept as an offset `e = average - row`: while a row
-    does not change, each step only multiplies `e` by `m` (exact, so `e`
-    starts at 0 and untouched rows need nothing). On a step that changes the
-    row from `w` to `w'`: `average' = m (w + e) + (1 - m) w'`, so
-    `e' = m (w + e - w')`, with `m = 0` on the optimizer's first step, as Keras.
-    """
-    step = ops.cast(hp.step, "int32")
-    last = state[LAST_STEP_SLOT]
-    rows, own, offset = _missed(updater, rows, state, ops.maximum(step - 1 - last, 0), hp)
-    new_rows, new_state = chain(updater.transforms, updater.update, rows, own, grads, hp)
-    new_state[LAST_STEP_SLOT] = ops.full(ops.shape(last), step, "int32")
-    if offset is not None:
-        m = ops.where(step == 1, 0.0, updater.ema_momentum)
-        new_state[EMA_OFFSET_SLOT] = m * (rows + offset - new_rows)
-    return new_rows, new_state
+def without(state, names):
+    """`state` without the slots `names` (what the rule inside a wrapper reads)."""
+    return {k: v for k, v in state.items() if k not in names}
 
 
-def whole_table(updater, rows, state, steps_done, hp):
-    """Every row of a table brought up to step `steps_done` (`catch_up_tables`).
+class CatchUp:
+    """`lazy=False`: each row keeps the step that last updated it (`last_step`); when
+    touched, it first takes the steps it missed at once (`Updater.missed_steps`), then the
+    step; the end of `fit` brings every row up to date."""
 
-    Args:
-        rows: `[V, D]` table; `state`: all its slots (with `last_step`).
-        steps_done: int, the optimizer's iteration count.
-        hp: the hyperparameters of the last step (`Values`).
+    slots = (LAST_STEP,)
+    tracks_rows = True
+    keeps_window = False
 
-    Returns:
-        `(rows, state)`.
-    """
-    last = state[LAST_STEP_SLOT]
-    missed = ops.maximum(ops.cast(steps_done, "int32") - last, 0)
-    rows, own, offset = _missed(updater, rows, state, missed, hp)
-    own[LAST_STEP_SLOT] = ops.full(ops.shape(last), steps_done, "int32")
-    if offset is not None:
-        own[EMA_OFFSET_SLOT] = offset
-    return rows, own
+    def check(self, updater):
+        refuse_whole_state(updater)
+        check(updater)
+
+    def around(self, updater, rule):
+        """`rule` with each row's missed steps taken first: `(rows, state, grads, hp)`."""
+        def step(rows, state, grads, hp):
+            now = ops.cast(hp.step, "int32")
+            last = state[LAST_STEP_SLOT]
+            rows, own = updater.missed_steps(
+                rows, without(state, (LAST_STEP_SLOT,)), ops.maximum(now - 1 - last, 0),
+                decay_per_step(updater, hp), hp.at(None))
+            new_rows, new_state = rule(rows, own, grads, hp)
+            return new_rows, {**new_state, LAST_STEP_SLOT: ops.full(ops.shape(last), now, "int32")}
+
+        return step
+
+    def caught_up(self, updater, rows, state, steps_done, hp):
+        """`(rows, state)` of the whole table brought up to step `steps_done`.
+
+        Args:
+            rows: float32 `[V, D]`; `state`: every slot, as rules compute with it.
+            steps_done: int, the optimizer's iteration count.
+            hp: the last step's hyperparameters.
+        """
+        last = state[LAST_STEP_SLOT]
+        rows, own = updater.missed_steps(
+            rows, without(state, (LAST_STEP_SLOT,)),
+            ops.maximum(ops.cast(steps_done, "int32") - last, 0), decay_per_step(updater, hp),
+            hp.at(None))
+        return rows, {**own, LAST_STEP_SLOT: ops.full(ops.shape(last), steps_done, "int32")}
+
+    def end_of_fit(self, updater, storage, steps_done, hp):
+        """Every row caught up, written through the table's row storage."""
+        catch_up_whole(self, updater, storage, steps_done, hp)
+
+
+def catch_up_whole(wrapper, updater, storage, steps_done, hp):
+    """Writes `wrapper.caught_up` of the whole table (rows and every slot) through `storage`
+    (whole-table work, between steps), rounded as a step's writes are."""
+    state = {s.name: storage.state_values(s.name) for s in updater.slots}
+    rows, state = wrapper.caught_up(updater, storage.values(), state, steps_done, hp)
+    storage.assign_values(rows, steps_done)
+    for spec in updater.slots:
+        storage.assign_state(spec.name, state[spec.name], steps_done)

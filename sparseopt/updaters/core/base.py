@@ -15,7 +15,6 @@ hyperparameter sets the test suite runs it with (`test_configs`). Defining a
 subclass registers it; the tests enumerate the registry.
 """
 
-import dataclasses
 import functools
 import weakref
 
@@ -23,8 +22,12 @@ import keras
 from keras import ops
 
 from sparseopt import storage
-from sparseopt.updaters import catch_up, hyperparameters, legacy, lookahead, swa
-from sparseopt.updaters.transforms import (
+from sparseopt.updaters.core import hyperparameters, legacy
+from sparseopt.updaters.core.slots import SlotSpec, SparseCoreSpec  # noqa: F401 (their home)
+from sparseopt.updaters.wrappers import lookahead, swa
+from sparseopt.updaters.wrappers.catch_up import CatchUp
+from sparseopt.updaters.wrappers.ema import MovingAverage
+from sparseopt.updaters.core.transforms import (
     OPTIONS, check_options, chain, transforms_from, value_at)
 
 _REGISTRY = {}
@@ -46,119 +49,6 @@ def registry(shipped_only=False):
     return dict(_REGISTRY)
 
 
-# What a slot holds, for a `[V, D]` table: its kind gives its shape, where
-# it lives under a distribution, how a step reads and writes it, and whether
-# it returns to its initial value with its row.
-ENTRY = "entry"  # [V, D], one per entry: gathered and scattered by row
-ROW = "row"  # [V], one per row: gathered and scattered by row
-COLUMN = "column"  # [D], one per column: read whole, updated once per step
-TABLE = "table"  # [], one per table: read whole, updated once per step
-KINDS = (ENTRY, ROW, COLUMN, TABLE)
-
-
-@dataclasses.dataclass(frozen=True)
-class SlotSpec:
-    """One optimizer state slot of a table.
-
-    Per-row kinds (`"entry"`, `"row"`) are gathered at the step's distinct
-    rows, updated by the rule's `update` and scattered back in place, and
-    are laid out like the table's rows under a distribution. Whole kinds
-    (`"column"`, `"table"`) are read whole: a step first sums the rule's
-    per-row contributions (`Updater.contributions`) over all its distinct
-    rows, then updates them once (`Updater.update_whole`), and the row rule
-    reads their new value. They are replicated, never reset with a row, and
-    kept in float32 unless `dtype` says otherwise. Per-row kinds start afresh
-    (`initial_value`, or the step where `holds_step`) when an open
-    vocabulary gives their row to a new id.
-
-    Args:
-        name: slot name, e.g. `"accumulator"`.
-        rowwise: `True` for one scalar per row (the same as `kind="row"`),
-            `False` for the kind given (by default one per entry).
-        initial_value: constant the slot starts at.
-        dtype: the slot's dtype; `None` (the default) for the table's
-            storage `state_dtype` (`sparseopt.TableStorage`, float32 unless
-            set) for per-row kinds, float32 for whole kinds.
-        kind: `"entry"` (`[V, D]`, the default), `"row"` (`[V]`), `"column"`
-            (`[D]`) or `"table"` (a scalar).
-        holds_step: the slot holds a step number (`lazy=False`'s last update):
-            a row given to a new id (an open vocabulary) starts it at the
-            current step instead of `initial_value`.
-        from_table: for a whole kind, `fn(table)` (float32 `[V, D]` -> the
-            slot's value) computing where it starts from the table's values
-            when the optimizer is built (whole-table work, once; e.g. the
-            table's sum of squares). None: `initial_value`.
-    """
-
-    name: str
-    rowwise: bool = False
-    initial_value: float = 0.0
-    dtype: str = None  # None: the table's state_dtype (per-row kinds), else float32
-    kind: str = None  # None: "row" if rowwise else "entry"
-    holds_step: bool = False
-    from_table: object = None
-
-    def __post_init__(self):
-        kind = self.kind or (ROW if self.rowwise else ENTRY)
-        if kind not in KINDS:
-            raise ValueError(f"SlotSpec '{self.name}': kind must be one of {KINDS}, got "
-                             f"{self.kind!r}.")
-        if self.rowwise and kind != ROW:
-            raise ValueError(f"SlotSpec '{self.name}': rowwise=True is kind='row', not "
-                             f"{kind!r}.")
-        object.__setattr__(self, "kind", kind)
-        object.__setattr__(self, "rowwise", kind == ROW)
-        if self.from_table is not None and kind in (ENTRY, ROW):
-            raise ValueError(f"SlotSpec '{self.name}': `from_table` is for whole kinds "
-                             "('column', 'table') only.")
-
-    @property
-    def per_row(self):
-        """Whether the slot has one entry (or row of entries) per table row."""
-        return self.kind in (ENTRY, ROW)
-
-    def shape(self, table_shape):
-        """The slot's shape for a table of shape `[V, D]`."""
-        return {ENTRY: tuple(table_shape), ROW: (table_shape[0],),
-                COLUMN: (table_shape[1],), TABLE: ()}[self.kind]
-
-    def dtype_for(self, state_dtype):
-        """The slot's dtype for a table whose storage has this `state_dtype`."""
-        return self.dtype or (state_dtype if self.per_row else "float32")
-
-
-@dataclasses.dataclass(frozen=True)
-class SparseCoreSpec:
-    """A rule SparseCore has and Keras has not: its jax-tpu-embedding spec, field by field.
-
-    An updater class declares one as `sparsecore_spec` (a capability: not
-    inherited); `to_sparsecore_spec` / `from_sparsecore_spec` go through it.
-
-    Args:
-        spec: the jax-tpu-embedding `OptimizerSpec` class name.
-        fields: updater attribute -> spec field, both ways.
-        fixed: spec fields sparseopt cannot vary, with the only value it takes.
-        why: what `fixed` stands for, for the refusal.
-    """
-
-    spec: str
-    fields: dict
-    fixed: dict
-    why: str
-
-
-# Where `lazy=False` or `ema_momentum`: the step that last updated each row (0: never).
-LAST_STEP = SlotSpec(catch_up.LAST_STEP_SLOT, rowwise=True, initial_value=0, dtype="int32",
-                     holds_step=True)
-# Where `ema_momentum`: the row's moving average minus the row, as of its last update.
-EMA_OFFSET = SlotSpec(catch_up.EMA_OFFSET_SLOT)
-# Where `swa_period`: the row's average over the snapshots counted, and their number.
-SWA_AVERAGE = SlotSpec(swa.AVERAGE_SLOT)
-SWA_COUNT = SlotSpec(swa.COUNT_SLOT, rowwise=True, initial_value=0, dtype="int32")
-# Where `lookahead_period`: the row's slow copy minus the row (0 for a clean row).
-LOOKAHEAD_OFFSET = SlotSpec(lookahead.OFFSET_SLOT)
-
-
 class Updater:
     """Base class of sparse table updaters.
 
@@ -167,7 +57,7 @@ class Updater:
     `keras.optimizers.schedules.LearningRateSchedule` evaluated at the
     optimizer's step count.
 
-    Options every updater takes (`sparseopt.updaters.transforms`, which
+    Options every updater takes (`sparseopt.updaters.core.transforms`, which
     fixes their order), applied around the rule to the touched rows only:
 
     - `weight_decay` (with `weight_decay_mode="decoupled"` (default) or
@@ -184,7 +74,7 @@ class Updater:
     `hyperparameter`, may be `LearningRateSchedule`s of the step. Once the
     optimizer is built, the constant ones are variables the step reads:
     setting one (`updater.beta_1 = 0.8`) takes effect at the next step
-    (`sparseopt.updaters.hyperparameters`); settings that shape the step
+    (`sparseopt.updaters.core.hyperparameters`); settings that shape the step
     are fixed then, and setting one is an error naming the tables.
 
     Args:
@@ -193,21 +83,21 @@ class Updater:
         lazy: `True` (default): a step changes the rows it touches only.
             `False`: rows catch up on the steps they missed (decoupled weight
             decay, momentum) when next touched, as a dense optimizer would
-            have moved them (`sparseopt.updaters.catch_up`).
+            have moved them (`sparseopt.updaters.wrappers.catch_up`).
         ema_momentum: `None` (default), or keep an exponential moving average
             of each row as Keras' `use_ema=True` does (`m` in `[0, 1)`), at
             sparse cost; at the end of `fit` the table takes its average.
         swa_period, swa_start: stochastic weight averaging (TF Addons' `SWA`:
             a snapshot after the update of every step `t` with
             `t - 1 >= swa_start` and `(t - 1 - swa_start) % swa_period == 0`),
-            exact at sparse cost (`sparseopt.updaters.swa`); at the end of
+            exact at sparse cost (`sparseopt.updaters.wrappers.swa`); at the end of
             `fit` the table takes the average. `None` (default): off.
         lookahead_period, lookahead_step_size: Lookahead (TF Addons'
             `Lookahead`: after the update of every step `t` with
             `t % lookahead_period == 0`, `slow <- slow + lookahead_step_size *
             (fast - slow)` and `fast <- slow`), exact at sparse cost: only
             the rows changed in the window are synced
-            (`sparseopt.updaters.lookahead`). The table always holds the
+            (`sparseopt.updaters.wrappers.lookahead`). The table always holds the
             fast weights. `None` (default): off; the step size defaults to 0.5.
         state_dtype, stochastic_rounding, rounding_seed: how the tables
             it trains store their state and write 16-bit values, for tables
@@ -226,7 +116,7 @@ class Updater:
     # True for a rule whose `lazy=False` form is its own (it keeps the state its
     # dense form needs, e.g. Adafactor's running sums; rows it does not touch
     # do not move), not the generic catch-up of missed steps
-    # (`sparseopt.updaters.catch_up`).
+    # (`sparseopt.updaters.wrappers.catch_up`).
     dense_in_rule = False
     # The Keras optimizer class with the same rule (keras-rs TableConfig), if any.
     keras_optimizer = None
@@ -289,7 +179,7 @@ class Updater:
                  lookahead_period=None, lookahead_step_size=0.5, **options):
         owner = type(self).__name__
         # Every float the step reads: the learning rate, the rule's
-        # hyperparameters, the numeric options (`sparseopt.updaters.hyperparameters`).
+        # hyperparameters, the numeric options (`sparseopt.updaters.core.hyperparameters`).
         self._specs = {}
         self._trainers = []  # weak references to the `TableTrainer`s built with it
         self._set_hyperparameter("learning_rate", learning_rate,
@@ -334,7 +224,7 @@ class Updater:
         rule reads either as `hp.<name>` (its `hp` argument). Hyperparameters set
         this way are also the updater's config (`get_config`), and a constant
         one is state once the optimizer is built: set it then and the next
-        step uses the new value (`sparseopt.updaters.hyperparameters`).
+        step uses the new value (`sparseopt.updaters.core.hyperparameters`).
 
         Args:
             name: the attribute and config key.
@@ -481,55 +371,33 @@ class Updater:
                     else value_at(getattr(self, n), step)) for n in self.hyperparameters}
 
     def _check_settings(self):
-        """Checks that need the whole updater (run once its `__init__` is done)."""
-        whole = [spec.name for spec in self.__dict__.get("_rule_slots", ()) if not spec.per_row]
-        if whole and self.tracks_rows and not self.dense_in_rule:
-            raise ValueError(
-                f"{type(self).__name__}: `lazy=False` and `ema_momentum` are not supported "
-                f"with whole-table state {whole}: a row's missed steps would depend on "
-                "every other row's. Use the default lazy=True without ema_momentum.")
-        if not self.lazy and not self.dense_in_rule:
-            catch_up.check(self)
-        moves_untouched = not self.lazy and not self.dense_in_rule  # (the generic catch-up)
-        if self.swa is not None and (moves_untouched or self.ema_momentum is not None):
-            raise ValueError(
-                f"{type(self).__name__}: `swa_period` with "
-                f"{'lazy=False' if moves_untouched else 'ema_momentum'} is not supported: "
-                + ("rows that move while untouched give every snapshot a different value, "
-                   "which has no closed form here. Use lazy=True with swa_period."
-                   if moves_untouched else "both would give the table their average at the "
-                   "end of `fit`. Use one or the other."))
-        if self.lookahead is not None:
-            self._check_lookahead(moves_untouched)
-        if self.ema_momentum is not None and not self.lazy:
-            raise ValueError(
-                f"{type(self).__name__}: `ema_momentum` with lazy=False is not supported: "
-                "the moving average of a row that moves while untouched has no exact closed "
-                "form here. Use one or the other.")
+        """Checks that need the whole updater (run once its `__init__` is done): each
+        wrapper's refusals (`sparseopt.updaters.wrappers`)."""
+        for wrapper in self.wrappers:
+            wrapper.check(self)
 
-    def _check_lookahead(self, moves_untouched):
-        """Refuses what Lookahead's sparse sync cannot be exact with, saying why."""
-        owner = type(self).__name__
-        if moves_untouched:
-            raise ValueError(
-                f"{owner}: `lookahead_period` with lazy=False is not supported: rows that "
-                "move while untouched would need a sync of every row every window "
-                "(whole-table work). Use lazy=True with lookahead_period.")
-        if self.ema_momentum is not None or self.swa is not None:
-            other = "ema_momentum" if self.ema_momentum is not None else "swa_period"
-            raise ValueError(
-                f"{owner}: `lookahead_period` with `{other}` is not supported: the "
-                f"{'moving' if other == 'ema_momentum' else 'weight'} average follows rows "
-                "that change only when touched, and the sync also changes rows the step did "
-                "not touch. Use one or the other.")
-        derived = [s.name for s in self.__dict__.get("_rule_slots", ())
-                   if s.from_table is not None]
-        if derived:
-            raise ValueError(
-                f"{owner}: `lookahead_period` is not supported with state kept from the "
-                f"whole table's values {derived} (lazy=False): the sync changes rows outside "
-                "the rule, which that state would not see. Use lazy=True with "
-                "lookahead_period.")
+    @property
+    def wrappers(self):
+        """What wraps the rule, innermost first: the `lazy=False` catch-up
+        (`wrappers.catch_up.CatchUp`) or the moving average (`wrappers.ema`), the weight
+        average (`wrappers.swa`), Lookahead (`wrappers.lookahead`), each as its
+        argument asks. Each brings its slots, refusals, part of the step and part of the
+        end of `fit`."""
+        out = []
+        if not self.__dict__.get("lazy", True) and not self.dense_in_rule:
+            out.append(CatchUp())
+        if self.__dict__.get("ema_momentum") is not None:
+            out.append(MovingAverage(self.ema_momentum))
+        if self.__dict__.get("swa"):
+            out.append(swa.WeightAverage(*self.swa))
+        if self.__dict__.get("lookahead"):
+            out.append(lookahead.Lookahead(*self.lookahead))
+        return tuple(out)
+
+    @property
+    def rule_slots(self):
+        """The rule's own `SlotSpec`s (its wrappers' not included)."""
+        return self.__dict__.get("_rule_slots", ())
 
     @property
     def slots(self):
@@ -557,21 +425,13 @@ class Updater:
     @property
     def legacy_slots(self):
         """`slots` with the unread ones: what sparseopt 0.2 kept (its checkpoints load)."""
-        own = self.__dict__.get("_rule_slots", ())
-        ema = self.__dict__.get("ema_momentum") is not None
-        averaged = (SWA_AVERAGE, SWA_COUNT) if self.__dict__.get("swa") else ()
-        if self.__dict__.get("lookahead"):
-            averaged += (LOOKAHEAD_OFFSET,)
-        if ema:
-            return own + (LAST_STEP, EMA_OFFSET) + averaged
-        generic = not self.__dict__.get("lazy", True) and not self.dense_in_rule
-        return (own + (LAST_STEP,) if generic else own) + averaged
+        return self.rule_slots + tuple(s for w in self.wrappers for s in w.slots)
 
     @property
     def tracks_rows(self):
         """Whether each row's last step is kept (`lazy=False` or `ema_momentum`; a rule
         whose dense form is its own keeps its own record)."""
-        return (not self.lazy and not self.dense_in_rule) or self.ema_momentum is not None
+        return any(w.tracks_rows for w in self.wrappers)
 
     def fused_kernel(self):
         """The TF kernel that computes this updater's whole step, or None.
@@ -585,32 +445,16 @@ class Updater:
         return self.tf_kernel()
 
     def apply_rule(self, rows, state, grads, hp):
-        """The rule with the updater's options around it (what the machinery calls).
+        """The rule with the updater's options and wrappers around it (what the step calls).
 
-        Same arguments and result as `update`. With `lazy=False` the rows
-        first catch up on the steps they missed (`sparseopt.updaters.catch_up`).
+        Same arguments and result as `update`: the options' transforms around
+        `update` (`transforms.chain`), then each wrapper around that, innermost
+        first (with `lazy=False` the rows first catch up on the steps they missed).
         """
-        if self.swa is None and self.lookahead is None:
-            return self._rule_with_catch_up(rows, state, grads, hp)
-        # The rule, then what follows the row: its average (`swa`), its offset
-        # from the slow copy (`lookahead`).
-        own = {k: v for k, v in state.items()
-               if k not in (swa.AVERAGE_SLOT, swa.COUNT_SLOT, lookahead.OFFSET_SLOT)}
-        new_rows, new_state = self._rule_with_catch_up(rows, own, grads, hp)
-        new_state = dict(new_state)
-        if self.swa is not None:
-            new_state[swa.AVERAGE_SLOT], new_state[swa.COUNT_SLOT] = swa.step(
-                state[swa.AVERAGE_SLOT], state[swa.COUNT_SLOT], rows, new_rows, hp.step,
-                *self.swa)
-        if self.lookahead is not None:
-            new_state[lookahead.OFFSET_SLOT] = lookahead.offset_after(
-                state[lookahead.OFFSET_SLOT], rows, new_rows)
-        return new_rows, new_state
-
-    def _rule_with_catch_up(self, rows, state, grads, hp):
-        if not self.tracks_rows:
-            return chain(self.transforms, self.update, rows, state, grads, hp)
-        return catch_up.then_step(self, rows, state, grads, hp)
+        rule = functools.partial(chain, self.transforms, self.update)
+        for wrapper in self.wrappers:
+            rule = wrapper.around(self, rule)
+        return rule(rows, state, grads, hp)
 
     # `missed_steps(self, rows, state, steps, decay, hp)`: `steps`
     # zero-gradient steps of the rule in closed form, what a dense optimizer
@@ -618,7 +462,7 @@ class Updater:
     # decoupled weight decay, then applies the rule to a zero gradient);
     # returns `(rows, state)`. `steps` is int32 `[U]`, `state` the rule's own
     # slots, `hp` the step's hyperparameters (`hp.step` None). None: no exact
-    # closed form, so `lazy=False` is refused. (`sparseopt.updaters.catch_up`.)
+    # closed form, so `lazy=False` is refused. (`sparseopt.updaters.wrappers.catch_up`.)
     missed_steps = None
     # Whether `missed_steps` reads the learning rate (then it must be constant).
     missed_steps_read_learning_rate = False
@@ -640,7 +484,7 @@ class Updater:
                 this step.
             grads: `[U, D]` summed gradient of each touched row.
             hp: the step's hyperparameters
-                (`sparseopt.updaters.hyperparameters.Values`): `hp.learning_rate`,
+                (`sparseopt.updaters.core.hyperparameters.Values`): `hp.learning_rate`,
                 `hp.step` (int scalar, the 1-based count of this update) and
                 every hyperparameter by name (`hp.epsilon`).
 
