@@ -5,7 +5,7 @@ Layers declare which updater trains each table (`variable_path_to_optimizer_map`
 """
 
 from sparseopt import callbacks, distribution, layers, ops, saving, updaters, vocabulary
-from sparseopt.dispatch_optimizer import DispatchOptimizer
+from sparseopt.optimizer.dispatch import DispatchOptimizer
 from sparseopt.storage import TableStorage
 from sparseopt.engine.trainer import TableTrainer
 

@@ -10,7 +10,7 @@ import keras
 from keras import ops
 
 from sparseopt import compat
-from sparseopt.dispatch_optimizer import DispatchOptimizer
+from sparseopt.optimizer.dispatch import DispatchOptimizer
 from sparseopt.saving import check_one_process, fsync_path
 
 _DONE = re.compile(r"^backup-(\d{8})$")

@@ -108,6 +108,98 @@ def test_model_and_wrapper_are_found_on_the_stack():
     assert opt.loss_scaling_wrapper is wrapper
 
 
+# The stack walks (`model_building`, `training_batch`, `wrapper_building`), at
+# every Keras entry point that builds an optimizer: each test fails, by name,
+# when a Keras release moves what the walk reads (the model as a frame's
+# `self` or local, `_symbolic_build`'s `data_batch` / `iterator`, a
+# `LossScaleOptimizer`'s `inner_optimizer`).
+JAX = keras.backend.backend() == "jax"
+
+
+_SEEN = []
+
+
+class Spy(sparseopt.DispatchOptimizer):
+    """Records what the walks find when Keras builds it (a test double: the
+    walks must run from inside `build`, where sparseopt runs them). What it
+    saw is kept outside it (`_SEEN`): Keras' saver walks an optimizer's
+    attributes, and a list holding the model would lead it round in a circle."""
+
+    def build(self, var_list):
+        if not self.built:
+            _SEEN.append({"model": compat.model_building(self),
+                              "wrapper": compat.wrapper_building(self),
+                              "batch": compat.training_batch(self)})
+        super().build(var_list)
+
+
+def _spied_model(wrap=False):
+    ids = keras.Input((3,), dtype="int32")
+    emb = sparseopt.layers.SparseEmbedding(10, 2, updater=sparseopt.updaters.SGD(0.1))
+    model = keras.Model(ids, keras.layers.Dense(1)(keras.ops.mean(emb(ids), axis=1)))
+    _SEEN.clear()
+    opt = Spy(keras.optimizers.SGD(0.1))
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(opt) if wrap else opt,
+                  loss="mse")
+    return model, opt
+
+
+_X = np.arange(12, dtype="int32").reshape(4, 3) % 10
+_Y = np.ones((4, 1), "float32")
+
+
+@pytest.mark.parametrize("entry", ["fit", "train_on_batch", "evaluate"])
+def test_stack_walks_at_keras_training_entry_points(entry):
+    model, _ = _spied_model()
+    if entry == "fit":
+        model.fit(_X, _Y, batch_size=4, epochs=1, verbose=0)
+    elif entry == "train_on_batch":
+        model.train_on_batch(_X, _Y)
+    else:
+        model.evaluate(_X, _Y, batch_size=4, verbose=0)
+        model.fit(_X, _Y, batch_size=4, epochs=1, verbose=0)  # (built by now, on either backend)
+    assert len(_SEEN) == 1
+    seen = _SEEN[0]
+    assert seen["model"] is model and seen["wrapper"] is None
+    if JAX and entry != "evaluate":
+        # Keras' JAX trainer builds the optimizer in `_symbolic_build`, before
+        # the train step is traced; the batch it holds there is found.
+        x = keras.utils.unpack_x_y_sample_weight(seen["batch"])[0]
+        assert tuple(x.shape) == _X.shape
+    elif not JAX:
+        # TF builds it inside the traced train step, after the forward pass:
+        # no `_symbolic_build` frame, and nothing needs one.
+        assert seen["batch"] is None
+
+
+def test_stack_walks_under_a_loss_scale_wrapper_in_fit():
+    model, opt = _spied_model(wrap=True)
+    model.fit(_X, _Y, batch_size=4, epochs=1, verbose=0)
+    assert _SEEN[0]["model"] is model
+    assert _SEEN[0]["wrapper"] is model.optimizer and opt.loss_scaling_wrapper is model.optimizer
+
+
+def test_stack_walks_when_a_saved_model_is_loaded(tmp_path):
+    model, _ = _spied_model()
+    model.fit(_X, _Y, batch_size=4, epochs=1, verbose=0)
+    path = tmp_path / "m.keras"
+    model.save(path)
+    _SEEN.clear()
+    # `compile_from_config` builds the optimizer, the loaded model its frame's `self`.
+    loaded = keras.saving.load_model(path, custom_objects={"Spy": Spy})
+    assert [s["model"] for s in _SEEN] == [loaded]
+
+
+def test_stack_walks_read_what_keras_names():
+    """The names the walks read, checked at their source: a rename fails here first."""
+    import inspect
+
+    assert {"iterator", "data_batch"} <= set(
+        inspect.signature(keras.Model._symbolic_build).parameters)
+    wrapper = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+    assert isinstance(wrapper.inner_optimizer, keras.optimizers.SGD)
+
+
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX's train-step state")
 def test_jax_train_state():
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])

@@ -11,7 +11,9 @@ pytestmark = pytest.mark.backend_independent
 
 @pytest.mark.parametrize("old,new,names", [
     ("sparseopt.row_grads", "sparseopt.records", ["RowGrads", "Distinct", "BagGrads"]),
-    ("sparseopt.table_trainer", "sparseopt.engine.trainer", ["TableTrainer", "TableGroup"]),
+    ("sparseopt.table_trainer", "sparseopt.engine.trainer", ["TableTrainer"]),
+    ("sparseopt.table_trainer", "sparseopt.engine.group", ["TableGroup"]),
+    ("sparseopt.dispatch_optimizer", "sparseopt.optimizer.dispatch", ["DispatchOptimizer"]),
 ])
 def test_an_old_module_path_gives_the_same_objects_and_says_where_they_went(old, new, names):
     sys.modules.pop(old, None)

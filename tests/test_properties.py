@@ -44,11 +44,11 @@ def _small_distinct_chunks():
     if keras.backend.backend() != "jax":
         yield
         return
-    from sparseopt.backend import jax as jax_backend
+    from sparseopt.backend import jax_distinct
 
-    kept, jax_backend.DISTINCT_CHUNK = jax_backend.DISTINCT_CHUNK, 3
+    kept, jax_distinct.DISTINCT_CHUNK = jax_distinct.DISTINCT_CHUNK, 3
     yield
-    jax_backend.DISTINCT_CHUNK = kept
+    jax_distinct.DISTINCT_CHUNK = kept
 
 
 def _model(name, vocab, mode):

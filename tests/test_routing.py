@@ -1,11 +1,11 @@
-"""`sparseopt.routing.plan` on its own: which variable goes where, and who said so."""
+"""`sparseopt.optimizer.routing.plan` on its own: which variable goes where, and who said so."""
 
 import keras
 import pytest
 
 import sparseopt
-from sparseopt import routing
-from sparseopt.discovery import declared_tables
+from sparseopt.optimizer import routing
+from sparseopt.optimizer.discovery import declared_tables
 
 
 def _model():

@@ -42,8 +42,8 @@ def test_column_and_table_slots_follow_the_dense_rule(chunks, monkeypatch):
     if chunks != "one pass":
         if keras.backend.backend() != "jax":
             pytest.skip("TF updates the distinct rows in one pass (no chunk loop)")
-        from sparseopt.backend import jax as jax_backend
-        monkeypatch.setattr(jax_backend, "DISTINCT_CHUNK", 3)
+        from sparseopt.backend import jax_distinct
+        monkeypatch.setattr(jax_distinct, "DISTINCT_CHUNK", 3)
     keras.utils.set_random_seed(3)
     updater = ColumnScaledSGD(0.2, beta=0.5, clipvalue=0.05)
     model, emb = table_model(VOCAB, WIDTH, IDS, updater)

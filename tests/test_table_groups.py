@@ -112,7 +112,7 @@ def test_group_tables_is_off_by_default_and_part_of_the_config():
 
 @pytest.mark.parametrize("rows", [2**29, 2**29 + 1])
 def test_groups_stay_within_the_int32_id_space(rows):
-    from sparseopt.engine.trainer import group_trainers
+    from sparseopt.engine.group import group_trainers
 
     class Stub:  # only what grouping reads: a table's shape and the group key
         def __init__(self, i):

@@ -317,9 +317,9 @@ def test_backend_dedup_matches_numpy_unique_and_sum(stale, num_rows, xla, compil
     from sparseopt.records import RowGrads
 
     if keras.backend.backend() == "tensorflow" and compiled:
-        from sparseopt.backend import tensorflow as tf_backend
+        from sparseopt.backend import tensorflow_distinct
 
-        monkeypatch.setattr(tf_backend, "COMPILED_DEDUP_MIN_IDS", 1)
+        monkeypatch.setattr(tensorflow_distinct, "COMPILED_DEDUP_MIN_IDS", 1)
 
     rng = np.random.default_rng(9)
     ids = rng.integers(-3, 60, size=500).astype("int32")

@@ -25,11 +25,7 @@ def distinct_padding(num_rows, n):
 
 
 def gather(value, ids):
-    if ids.ndim == 1 and value.ndim >= 1:
-        from sparseopt.backend import jax_native  # (it imports this module)
-
-        if jax_native.moves_rows():  # one call, compiled once for every array
-            return jax_native.take_rows(value, ids)
+    """`value[ids]`, ids clamped (the pure path of `backend.gather`)."""
     return gather_rows(value, ids, mode="clip")
 
 
@@ -43,15 +39,7 @@ def bitcast(values, dtype):
 
 
 def set_rows(value, ids, rows, unique=False):
-    """`value` with `value[ids] = rows` (ids past the end dropped)."""
-    if ids.ndim == 1 and value.ndim >= 1:
-        from sparseopt.backend import jax_native  # (it imports this module)
-
-        if jax_native.moves_rows():  # in place, one call compiled once for every array
-            return jax_native.put_rows(value, ids, rows)
-        if (_bits_on_this_platform(value.dtype) and value.ndim == 2
-                and jax_native.writes_bf16()):  # in place, no copy of the array
-            return jax_native.put_rows(value, ids, rows)
+    """`value` with `value[ids] = rows` (ids past the end dropped): the pure path."""
     new = _as_bits(value).at[ids].set(_as_bits(rows.astype(value.dtype)), mode="drop",
                                       unique_indices=unique)
     return _as_stored(new, value.dtype)
@@ -68,18 +56,18 @@ def min_rows(value, ids, values):
 # but the bitcast of the whole table is still a copy (5 ms, 32 MB): on CPU a
 # bfloat16 table costs one copy of itself per step (docs/semantics.md). GPUs
 # scatter bfloat16 natively, in place.
-def _bits_on_this_platform(dtype):
+def bits_on_this_platform(dtype):
     return dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
 
 
 def _as_bits(value):
-    if _bits_on_this_platform(value.dtype):
+    if bits_on_this_platform(value.dtype):
         return jax.lax.bitcast_convert_type(value, jnp.uint16)
     return value
 
 
 def _as_stored(bits, dtype):
-    return jax.lax.bitcast_convert_type(bits, dtype) if _bits_on_this_platform(dtype) else bits
+    return jax.lax.bitcast_convert_type(bits, dtype) if bits_on_this_platform(dtype) else bits
 
 
 class Held:

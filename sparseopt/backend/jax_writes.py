@@ -15,8 +15,20 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from sparseopt.backend import jax_sharding
-from sparseopt.backend.jax_rows import distinct_padding, min_rows, set_rows
+from sparseopt.backend import jax_native, jax_sharding
+from sparseopt.backend.jax_rows import bits_on_this_platform, distinct_padding, min_rows
+from sparseopt.backend.jax_rows import set_rows as pure_set_rows
+
+
+def set_rows(value, ids, rows, unique=False):
+    """`value` with `value[ids] = rows` (ids past the end dropped), by the native call
+    where it runs (in place, one call compiled once for every array; for bfloat16 arrays
+    also where only `bf16_writes` is on: XLA:CPU would copy them), else the pure path."""
+    if ids.ndim == 1 and value.ndim >= 1 and (
+            jax_native.moves_rows() or (bits_on_this_platform(value.dtype) and value.ndim == 2
+                                        and jax_native.writes_bf16())):
+        return jax_native.put_rows(value, ids, rows)
+    return pure_set_rows(value, ids, rows, unique)
 
 
 def scatter(variable, ids, rows):

@@ -11,7 +11,12 @@ import tensorflow as tf
 from sparseopt import compat
 from sparseopt.backend import tensorflow_kernels, tensorflow_native
 from sparseopt.backend.contract import Kernel
-from sparseopt.records import BagGrads, Distinct, RowGrads, Stacked
+from sparseopt.backend.tensorflow_distinct import (  # noqa: F401 (the contract's)
+    WORKSPACE, WORKSPACE_SINK, dedup, dedup_tables, for_distinct_rows, for_listed_rows,
+    padding_ids, sum_over_distinct_rows)
+from sparseopt.backend.tensorflow_replicas import (  # noqa: F401 (the contract's)
+    all_replicas, gather_over_replicas, local, replica_context, replica_id, replica_strategy,
+    sum_over_replicas)
 
 
 def tap(rows, probe, ids, on_backward, aux=None, marks=True):
@@ -63,136 +68,6 @@ def fills_variables_in_blocks():
     """
     return tf.executing_eagerly() and not tf.distribute.has_strategy()
 
-# Dedup writes into a persistent int32 workspace, as on JAX (see
-# `sparseopt.backend.jax.dedup`), with one more entry that invalid ids write
-# to: TF's scatter has no "drop out-of-range" mode.
-WORKSPACE = True
-WORKSPACE_SINK = 1
-
-
-def dedup(record, num_rows, workspace):
-    """The `Distinct` rows of `record`'s valid ids only.
-
-    Every occurrence writes its position into `workspace[id]`
-    (`ResourceScatterUpdate`, in place) and reads it back
-    (`ResourceGather`): every occurrence of an id gets the same
-    representative. A running count of representatives then packs the
-    distinct ids and their summed gradients in the order of the positions
-    that landed (each id's last occurrence where TF's scatter runs serially,
-    below 1,024 ids), in one XLA-compiled function. This replaces
-    `tf.unique`, whose single-threaded hash table took 17 / 98 ms for
-    327,680 / 1,310,720 skewed ids against 9.6 / 35 ms here (measured). The
-    workspace never enters the XLA function: passed in, TF copied it whole on
-    every call (42 ms for 200M rows, measured). Where the native op is on
-    (`tensorflow_native`), one op does all of this.
-
-    Args:
-        record: the `RowGrads` (ids outside `[0, num_rows)` are ignored).
-        num_rows: the table's row count.
-        workspace: int32 Keras variable with `num_rows + WORKSPACE_SINK` entries.
-    """
-    grads = record.grads
-    ids = tf.cast(record.ids, tf.int64)
-    num_rows = tf.constant(num_rows, tf.int64)
-    at = tf.where((ids >= 0) & (ids < num_rows), ids, num_rows)  # invalid: the sink
-    space = local(workspace)
-    space.scatter_update(tf.IndexedSlices(tf.range(tf.size(ids, out_type=tf.int32)), at))
-    representative = tf.gather(space, at)
-    # Few ids: op by op (an XLA compilation per shape costs more than it saves).
-    few = ids.shape[0] is not None and ids.shape[0] < COMPILED_DEDUP_MIN_IDS
-    if isinstance(grads, BagGrads):  # expanded inside the (compiled) sum
-        run = _dedup_bags if few else _compiled_dedup_bags
-        uniq, summed, count = run(ids, representative, num_rows, grads.values, grads.bag,
-                                  grads.weight)
-    else:
-        run = _dedup_rows if few else _compiled_dedup_rows
-        uniq, summed, count = run(ids, representative, num_rows, grads)
-    if compat.in_xla_context():
-        # Inside an XLA cluster, slicing at a computed bound does not compile
-        # (and boolean_mask returned wrong rows, TF 2.21); dynamic_partition
-        # selects correctly in both modes.
-        first = tf.cast(tf.range(tf.shape(summed)[0]) < count, tf.int32)
-        return Distinct(tf.dynamic_partition(uniq[:-1], first, 2)[1],
-                        tf.dynamic_partition(summed, first, 2)[1], count)
-    return Distinct(uniq[:count], summed[:count], count)
-
-
-# Dedups of fewer ids than this (known when traced) run op by op.
-COMPILED_DEDUP_MIN_IDS = 4096
-
-
-def _distinct(ids, representative, num_rows, rows):
-    """The XLA part of `dedup`: distinct ids first and their summed gradients.
-
-    TF's CPU `UnsortedSegmentSum` kernel is single-threaded (1.0 vs 0.4 ms
-    compiled for 16k x 32, measured), hence XLA. Results have the static
-    size `N`; the caller slices off the tail.
-    """
-    n = tf.shape(ids)[0]
-    valid = (ids >= 0) & (ids < num_rows)
-    is_first = valid & (representative == tf.range(n))
-    slot = tf.cumsum(tf.cast(is_first, tf.int32)) - 1
-    # -1 (dropped by the sum) for invalid ids.
-    segment = tf.where(valid, tf.gather(slot, tf.where(valid, representative, 0)), -1)
-    summed = tf.math.unsorted_segment_sum(rows(), segment, n)
-    uniq = tf.tensor_scatter_nd_update(  # entry `n` takes the ids that are not first
-        tf.zeros([n + 1], ids.dtype), tf.where(is_first, slot, n)[:, None], ids)
-    return uniq, summed, tf.reduce_sum(tf.cast(is_first, tf.int32))
-
-
-def _dedup_rows(ids, representative, num_rows, grads):
-    return _distinct(ids, representative, num_rows, lambda: grads)
-
-
-def _dedup_bags(ids, representative, num_rows, values, bag, weight):
-    return _distinct(ids, representative, num_rows,
-                     lambda: tf.gather(values, bag) * weight[:, None])
-
-
-# The same two, compiled by XLA (`dedup` picks by the number of ids).
-_compiled_dedup_rows, _compiled_dedup_bags = (
-    tf.function(f, jit_compile=True, reduce_retracing=True, autograph=False)
-    for f in (_dedup_rows, _dedup_bags))
-
-
-def for_distinct_rows(update, variables, distinct):
-    """`update(variables, ids, grads)`: `dedup`'s result is exactly the distinct ids."""
-    update(variables, distinct.ids, distinct.grads)
-
-
-def sum_over_distinct_rows(contribute, distinct, num_rows):
-    """`contribute(ids, grads)` (`{name: [U, ...]}`) summed over the distinct rows:
-    `dedup`'s result is exactly those."""
-    parts = contribute(distinct.ids, distinct.grads)
-    return {k: tf.reduce_sum(v, axis=0) for k, v in parts.items()}
-
-
-def dedup_tables(records, num_rows, workspace, dedup):
-    """One dedup of a group's records: their ids shifted into one id space (table
-    `t`'s rows after table `t-1`'s; invalid ids in no table), `dedup` of them all
-    (the pure path or the native op), then each table's part cut out by one
-    `dynamic_partition` (which, unlike slicing at computed bounds, also compiles
-    inside an XLA cluster). Its distinct ids are in the order `dedup` numbers
-    them; the parts have no ranges (`stride` None)."""
-    offsets, total = [], 0
-    for rows in num_rows:
-        offsets.append(total)
-        total += rows
-    shifted = []
-    for record, rows, offset in zip(records, num_rows, offsets):
-        ids = tf.cast(record.ids, tf.int64)
-        valid = (ids >= 0) & (ids < rows)
-        shifted.append(RowGrads(tf.where(valid, ids + offset, total), record.grads))
-    found = dedup(RowGrads.concatenate(shifted), total, workspace)
-    uniq = found.ids
-    starts = tf.constant(offsets, uniq.dtype)
-    table = tf.searchsorted(starts[1:], uniq, side="right")
-    local = uniq - tf.gather(starts, table)
-    ids = tf.dynamic_partition(local, table, len(records))
-    grads = tf.dynamic_partition(found.grads, table, len(records))
-    return Stacked([Distinct(i, g, tf.size(i)) for i, g in zip(ids, grads)])
-
-
 def materialize(values):
     return values
 
@@ -224,70 +99,6 @@ def on_row_shards(run, shards, variables, record, carried):
     raise ValueError(f"Table '{variables[0].path}': TensorFlow tables are never split by rows "
                      "over devices (`row_shards` is None for every table here).")
 
-
-def replica_strategy():
-    """`(strategy class name, replicas, supported)` of a TF strategy with several replicas.
-
-    None with one replica. Supported: `tf.distribute.MirroredStrategy`, whose
-    replicas run in one process and reach each other's ids and row
-    gradients (`all_replicas`).
-    """
-    strategy = tf.distribute.get_strategy()
-    count = strategy.num_replicas_in_sync
-    if count == 1:
-        return None
-    return type(strategy).__name__, count, isinstance(strategy, tf.distribute.MirroredStrategy)
-
-
-def all_replicas(record):
-    """The `RowGrads` of every replica of the step, in replica order.
-
-    Inside a replica of a strategy with several replicas, each replica's
-    ids and row gradients are gathered (`ReplicaContext.all_gather`: ids and
-    rows, never a table-sized gradient), so that every replica applies the
-    same summed update to its own copy of the table. Elsewhere: unchanged.
-    Keras divides each replica's loss by the number of replicas, so the
-    gathered gradients sum to the global batch's.
-    """
-    context = _replica_context()
-    if context is None:
-        return record
-    ids, grads = context.all_gather(record.ids, axis=0), record.grads
-    # (An open vocabulary's `changed` is the same on every replica: its map
-    # works on every replica's ids, `gather_over_replicas`.) An int8 table's
-    # rows as read travel with their ids.
-    read = None if record.read is None else context.all_gather(record.read, axis=0)
-    if isinstance(grads, BagGrads):
-        # Bag numbers are per replica: shift them past the earlier replicas' bags.
-        offset = _start(context, tf.shape(grads.values, out_type=grads.bag.dtype)[:1])
-        return RowGrads(ids, BagGrads(context.all_gather(grads.values, axis=0),
-                                      context.all_gather(grads.bag + offset, axis=0),
-                                      context.all_gather(grads.weight, axis=0)), record.calls,
-                        record.changed, read)
-    return RowGrads(ids, context.all_gather(grads, axis=0), record.calls, record.changed, read)
-
-
-def gather_over_replicas(values):
-    """`([each of values, every replica's concatenated in replica order], this
-    replica's start)`.
-
-    `values`: arrays with the same first dimension. Outside a step with
-    several replicas: `(values, 0)`. Replicas may hold different numbers of
-    entries (a batch that does not split evenly).
-    """
-    context = _replica_context()
-    if context is None:
-        return list(values), 0
-    start = _start(context, tf.shape(values[0], out_type=tf.int32)[:1])
-    return [context.all_gather(v, axis=0) for v in values], start
-
-
-def _start(context, size):
-    """Where this replica's entries begin among all replicas' (`size`: `[1]`, its own)."""
-    sizes = context.all_gather(size, axis=0)
-    return tf.reduce_sum(sizes[:context.replica_id_in_sync_group])
-
-
 def outside_trace():
     return tf.init_scope()
 
@@ -297,49 +108,6 @@ def trace_token(value=None):
     if tf.executing_eagerly():
         return None
     return tf.compat.v1.get_default_graph()
-
-
-def sum_over_replicas(value):
-    """`value` summed over the replicas of the step (unchanged outside replicas)."""
-    context = _replica_context()
-    if context is None:
-        return value
-    return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
-
-
-def _replica_context():
-    """The replica context of a step with several replicas, else None."""
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
-        return None
-    return context
-
-
-def local(variable):
-    """The `tf.Variable` this replica reads and writes, of a Keras variable (or its value).
-
-    A `MirroredStrategy` variable holds one copy per replica; inside a
-    replica, its own copy, so that reads stay `ResourceGather`s (a
-    `tf.gather` of the mirrored variable reads it whole) and writes stay in
-    place on that copy. Elsewhere the variable itself.
-    """
-    var = variable.value if isinstance(variable, keras.Variable) else variable
-    if (not isinstance(var, tf.distribute.DistributedValues)
-            or tf.distribute.in_cross_replica_context()):
-        return var
-    return tf.distribute.get_strategy().experimental_local_results(var)[replica_id()]
-
-
-def replica_id():
-    """Which replica of a `MirroredStrategy` step is being traced (0 outside one).
-
-    Its replicas are traced into one graph, interleaved: each must take its
-    own lookups' row gradients.
-    """
-    context = tf.distribute.get_replica_context()
-    if context is None:
-        return 0
-    return int(tf.get_static_value(context.replica_id_in_sync_group))
 
 
 def read_rows(table, ids):
@@ -458,12 +226,6 @@ def first_true(mask, k):
     # at batch 16,384 with k = 4,096).
     return tf.cast(tf.where(mask)[:k, 0], tf.int32)
 
-
-def for_listed_rows(update, variables, ids, count):
-    # A gather of the `count` first (a slice would read the whole list first).
-    update(variables, gather(ids, tf.range(count)))
-
-
 # Keras' TF optimizers run eagerly or in a graph on real variables: an
 # optimizer step may write any variable.
 STATEFUL_APPLY = True
@@ -478,7 +240,7 @@ def run_if(pred, fn, variables):
     context and runs `fn` in every replica. `fn` must read only variables
     (each replica then reads its own copy), and `pred` be the same everywhere.
     """
-    context = _replica_context()
+    context = replica_context()
     if context is None:
         tf.cond(pred, lambda: _ran(fn), lambda: tf.constant(False))
         return
@@ -532,11 +294,6 @@ def after(done, value):
 def trace_forward(model, find_batch):
     """Nothing to do: TF builds the optimizer inside the traced step, after the forward
     pass, so every lookup has seen the step's shapes by then."""
-
-
-def padding_ids(num_rows, n):
-    return num_rows + tf.range(n, dtype=tf.int32)
-
 
 def _fused_applies(updater=None, storage=None, **_):
     """Whether TF's own sparse-apply kernel computes exactly this table's step: the

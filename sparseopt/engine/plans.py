@@ -138,19 +138,21 @@ class PreparedGroup:
             member's lookups read are found there).
         workspace: the group's dedup workspace.
         offsets: each member's first id in the workspace.
+        owners: what the caller keeps per member, in order (a `TableGroup`:
+            its members' `TableTrainer`s), for `finish_group`'s caller.
     """
 
-    def __init__(self, stacked, finite, record, workspace, offsets):
+    def __init__(self, stacked, finite, record, workspace, offsets, owners=()):
         self.stacked, self.finite, self.record = stacked, finite, record
         self.workspace, self.offsets = workspace, offsets
-        self.trainers = []  # the members' `TableTrainer`s, where a `TableGroup` prepared it
+        self.owners = list(owners)
 
     def squared_norm(self):
         """The squared L2 norm of every member's summed row gradients."""
         return self.stacked.squared_norm()
 
 
-def prepare_group(members, workspace=None):
+def prepare_group(members, workspace=None, owners=()):
     """Stages 1-2 of a group, at once: a `PreparedGroup`.
 
     One dedup for every member's ids (`backend.dedup_tables`: shifted into
@@ -161,6 +163,7 @@ def prepare_group(members, workspace=None):
         members: list of `(num_rows, record)`.
         workspace: an int32 variable with at least as many entries as the
             members have rows together.
+        owners: as for `PreparedGroup`.
     """
     num_rows = [rows for rows, _ in members]
     total = sum(num_rows)
@@ -173,7 +176,7 @@ def prepare_group(members, workspace=None):
     offsets = [int(o) for o in np.cumsum([0] + num_rows[:-1])]
     record = RowGrads.concatenate(records)
     return PreparedGroup(stacked, finite_per_table(records, record), record, workspace,
-                         offsets)
+                         offsets, owners)
 
 
 def finite_per_table(records, joined):

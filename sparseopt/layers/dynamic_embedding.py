@@ -118,13 +118,14 @@ class DynamicEmbedding(SparseEmbedding):
                 f"DynamicEmbedding '{self.name}': a trained default row makes the table "
                 f"capacity + 1 rows, which its map (capacity rows) cannot be split by rows "
                 f"with. On a table split by rows, use default_row='zeros'.")
-        self.vocabulary.build(self.embeddings_initializer, self._add_state)
-        self.vocabulary.int8 = self.int8
-        self._lookup.vocabulary = self.vocabulary
+        self.vocabulary.build(self.embeddings_initializer, self._add_state, int8=self.int8)
         for written in (self.vocabulary.pending, self.vocabulary.cycle_start):
             # Written by the optimizer's step only.
             written.constraint = PlainOptimizerGuard(self.name, self.embeddings.path)
             written._sparseopt_bookkeeping_of = self._lookup
+
+    def _make_lookup(self, **kwargs):
+        return super()._make_lookup(vocabulary=self.vocabulary, **kwargs)
 
     def _add_state(self, name, shape, dtype, initial, trainable, rows=False, weight=True):
         init = keras.initializers.Constant(initial)

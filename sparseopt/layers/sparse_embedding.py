@@ -116,8 +116,7 @@ class SparseEmbedding(keras.layers.Layer):
         if self.int8 is not None:
             self.int8.build(self, shape, self.embeddings_initializer, self._add_int8_state)
             self.embeddings, self.embeddings_scale = self.int8.codes, self.int8.scale
-            self._lookup = SparseLookup(self, self.embeddings, storage=self.storage,
-                                        int8=self.int8)
+            self._lookup = self._make_lookup(int8=self.int8)
             for written in self.int8.written_variables:
                 # Written by the optimizer's step only.
                 written.constraint = PlainOptimizerGuard(self.name, self.embeddings.path)
@@ -130,7 +129,11 @@ class SparseEmbedding(keras.layers.Layer):
             name="embeddings",
             autocast=False,  # never cast the whole table; the lookup casts rows
         )
-        self._lookup = SparseLookup(self, self.embeddings, storage=self.storage)
+        self._lookup = self._make_lookup()
+
+    def _make_lookup(self, **kwargs):
+        """The table's `SparseLookup` (a subclass adds what its lookup reads)."""
+        return SparseLookup(self, self.embeddings, storage=self.storage, **kwargs)
 
     def _add_int8_state(self, name, shape, dtype, trainable):
         return layer_state(self, name, dtype, trainable, shape=shape)

@@ -45,6 +45,9 @@ class SparseLookup:
         int8: for an 8-bit table, its `sparseopt.storage.int8_table.Int8Table`
             (whose `codes` are `table`): rows are read as `codes / scale`,
             after the last step's buffered writes; None for float tables.
+        vocabulary: for an open vocabulary (`DynamicEmbedding`), its
+            `sparseopt.vocabulary.OpenVocabulary`: ids are rows its map gave;
+            None for fixed tables.
 
     Example:
 
@@ -63,7 +66,7 @@ class SparseLookup:
     ```
     """
 
-    def __init__(self, layer, table, storage=None, int8=None):
+    def __init__(self, layer, table, storage=None, int8=None, vocabulary=None):
         if len(table.shape) != 2:
             raise ValueError(
                 f"SparseLookup: table '{table.path}' must be 2-D [rows, width], "
@@ -97,9 +100,7 @@ class SparseLookup:
         self._records = {}  # replica -> [(trace, RowGrads)] from backward passes
         self._dropped = {}  # replica -> records a forward pass of another trace discarded
         self._sizes = {}  # replica -> (trace, static id count of each call in it)
-        # An open vocabulary (`sparseopt.vocabulary.OpenVocabulary`) when the
-        # ids are rows its map gave (`DynamicEmbedding`); None for fixed tables.
-        self.vocabulary = None
+        self.vocabulary = vocabulary
         # Whether the probe's gradient is NaN where the row gradients are not
         # finite: what a `LossScaleOptimizer` sees of the table (it skips the
         # step and lowers its scale). The optimizer that trains the table says

@@ -36,7 +36,7 @@ from keras import ops
 from sparseopt import backend, distribution
 from sparseopt.storage import quantization
 from sparseopt.storage import block_init
-from sparseopt.vocabulary.pending import decode_step, encode_step, join_halves, split_halves
+from sparseopt.halves import decode_step, encode_step, join_halves, split_halves
 
 DEFAULT_ROWS_PER_STEP = 16384
 

@@ -6,7 +6,8 @@ that carry 64-bit ids on JAX. See docs/open_vocabularies.md.
 """
 
 from sparseopt.vocabulary.keys import join_int64, split_int64
-from sparseopt.vocabulary.open_vocabulary import (COUNTS, EVICTIONS, Delta, OpenVocabulary,
+from sparseopt.vocabulary.export import Delta
+from sparseopt.vocabulary.open_vocabulary import (COUNTS, EVICTIONS, OpenVocabulary,
                                                    Proposals)
 
 __all__ = ["COUNTS", "EVICTIONS", "Delta", "OpenVocabulary", "Proposals", "join_int64",

@@ -33,9 +33,9 @@ from typing import Any, NamedTuple
 import numpy as np
 from keras import ops
 
-from sparseopt import backend
+from sparseopt import backend, halves
 from sparseopt.storage import precision
-from sparseopt.vocabulary import counters, id_map, keys, new_rows, pending
+from sparseopt.vocabulary import counters, export, id_map, keys, new_rows, pending
 from sparseopt.vocabulary.frequency import Frequencies
 from sparseopt.vocabulary.sightings import SightingCounts
 from sparseopt.vocabulary.tombstones import TombstoneLog
@@ -50,31 +50,6 @@ DEFAULT_PROBES = 8  # 16: 2% more rows held when full, 10-20% more step (docs)
 COUNTS = ("default_lookups", "found", "probe_length", "admitted", "evicted", "reclaimed",
           "unplaced")
 DEFAULT_TOMBSTONE_LOG = 65536
-
-
-class Delta(NamedTuple):
-    """What changed in an open vocabulary after a step (`DynamicEmbedding.delta`).
-
-    Args:
-        step: the layer's step it is up to date with (ask for the next delta
-            after it).
-        ids: int64 `[K]` ids holding a row whose values may have changed
-            (given the row, or looked up in training, after the step).
-        rows: int64 `[K]` their rows.
-        values: float32 `[K, D]` those rows of the table.
-        tombstones: int64 `[T]` ids that lost their row after the step
-            (taken by another id, or expired), none of which holds a row
-            now; an id may be repeated from an earlier delta.
-        default: float32 `[D]`, what ids not held read now (the trained
-            default row, or zeros).
-    """
-
-    step: int
-    ids: Any
-    rows: Any
-    values: Any
-    tombstones: Any
-    default: Any
 
 
 class Proposals(NamedTuple):
@@ -185,9 +160,7 @@ class OpenVocabulary:
         self.tombstones = TombstoneLog(tombstone_log)
         self.frequency = Frequencies(lfu_half_life) if eviction == "lfu" else None
         self.sightings = None
-        # An int8 table's `Int8Table` (set by its layer), whose rows given to new
-        # keys the next call writes; None for float tables.
-        self.int8 = None
+        self.int8 = None  # (`build`)
         if self.admit_after > 1:
             self.sightings = SightingCounts(self.count_capacity or self.capacity, self.probes,
                                             self.seed, self.placement_rounds)
@@ -202,7 +175,7 @@ class OpenVocabulary:
 
     # -- variables ----------------------------------------------------------
 
-    def build(self, initializer, add_state):
+    def build(self, initializer, add_state, int8=None):
         """Creates the map's variables on its layer.
 
         Args:
@@ -212,8 +185,10 @@ class OpenVocabulary:
                 rows=False, weight=True)`, which creates a variable of the
                 layer (`rows`: indexed by the table's rows, and split like
                 them; `weight=False`: state, not one of the layer's weights).
+            int8: an int8 table's `Int8Table`, whose rows given to new keys
+                the next call writes; None for float tables.
         """
-        self.initializer = initializer
+        self.initializer, self.int8 = initializer, int8
         v = self.capacity
         # Indexed by the table's rows: split like them where the table is.
         self.keys = add_state("vocabulary_keys", (v, 2), "int32", 0, False, rows=True)
@@ -308,7 +283,7 @@ class OpenVocabulary:
         rows, evicted = id_map.place(self.last_seen, home, valid, self.probes, step,
                                      self.eviction, self.ttl, self.placement_rounds,
                                      self.frequency,
-                                     guard=pending.decode_step(self.cycle_start.value))
+                                     guard=halves.decode_step(self.cycle_start.value))
         placed = ops.greater_equal(rows, 0)
         self._count(unplaced=ops.sum(ops.cast(wanted, "int32"))
                     - ops.sum(ops.cast(placed, "int32")))
@@ -411,8 +386,8 @@ class OpenVocabulary:
         self.pending.assign(pending.encode(proposals.high, proposals.low, rows,
                                            proposals.step, proposals.evicted, valid,
                                            proposals.sightings, self.admissions_per_step))
-        start = pending.decode_step(self.cycle_start.value)
-        self.cycle_start.assign(pending.encode_step(
+        start = halves.decode_step(self.cycle_start.value)
+        self.cycle_start.assign(halves.encode_step(
             ops.where(cycle_ends, ops.cast(proposals.step, "int32") + 1, start)))
 
     # -- reading it -----------------------------------------------------------
@@ -444,56 +419,13 @@ class OpenVocabulary:
         return {"admitted": int(first.sum()), "evicted": int((first & evicted).sum()),
                 "reclaimed": int((had & ~evicted).sum())}
 
-    def _as_next_lookup_sees_it(self):
-        """NumPy `(keys [V, 2], last_seen [V], step, hand-over)`: the map with the last
-        step's hand-over written (it reads the whole map: for export)."""
-        held = np.array(ops.convert_to_numpy(self.keys.value))
-        seen = np.array(ops.convert_to_numpy(self.last_seen.value))
-        high, low, rows, step, _, valid, _ = (np.asarray(ops.convert_to_numpy(x))
-                                              for x in pending.decode(self.pending.value))
-        given = (high[valid], low[valid], rows[valid], step[valid])
-        before = held[given[2]].copy(), seen[given[2]].copy()
-        held[given[2], 0], held[given[2], 1] = given[0], given[1]
-        seen[given[2]] = np.maximum(seen[given[2]], given[3])
-        now = int(ops.convert_to_numpy(self.steps.value))
-        return held, seen, now, (given, before)
-
-    def _alive(self, seen, now):
-        alive = seen >= 0
-        if self.ttl is not None:
-            alive &= seen > now - self.ttl
-        return alive
+    # -- export (sparseopt.vocabulary.export) ------------------------------
 
     def ids(self):
         """`{id: row}` of every id holding a row, as the next lookup sees them (NumPy,
         reading the whole map: for export)."""
-        held, seen, now, _ = self._as_next_lookup_sees_it()
-        rows = np.nonzero(self._alive(seen, now))[0]
-        return dict(zip(keys.join_int64(held[rows]).tolist(), rows.tolist()))
+        return export.ids(self)
 
     def delta(self, since, table, name, trained_default=False):
         """What changed after layer step `since`: see `DynamicEmbedding.delta`."""
-        held, seen, now, ((high, low, rows, step), (old, old_seen)) = (
-            self._as_next_lookup_sees_it())
-        alive = self._alive(seen, now)
-        changed = np.nonzero(alive & (seen > since))[0]
-        gone = [self.tombstones.since(since, name)]
-        # Ids the hand-over replaces (not in the log until the next call writes it).
-        replacing = (old_seen >= 0) & ~((old[:, 0] == high) & (old[:, 1] == low)) & (step > since)
-        gone.append(old[replacing])
-        if self.ttl is not None:  # ids that expired after `since`, still in their rows
-            expired = (seen >= 0) & ~alive & (seen + self.ttl > since)
-            gone.append(held[expired])
-        gone = np.setdiff1d(keys.join_int64(np.concatenate(gone)),
-                            keys.join_int64(held[alive]))
-        # (An int8 table's layer hands over a reader of its rows as floats.)
-        read = getattr(table, "rows", None) or (
-            lambda ids: backend.gather_from_resource(table, ids))
-        values = np.asarray(ops.convert_to_numpy(ops.cast(
-            read(ops.convert_to_tensor(changed.astype("int32"))), "float32")))
-        default = np.zeros((table.shape[1],), np.float32)
-        if trained_default:  # the table's last row
-            default = np.asarray(ops.convert_to_numpy(ops.cast(
-                read(ops.convert_to_tensor([self.capacity])), "float32")))[0]
-        return Delta(step=now, ids=keys.join_int64(held[changed]), rows=changed.astype(np.int64),
-                     values=values, tombstones=gone, default=default)
+        return export.delta(self, since, table, name, trained_default)

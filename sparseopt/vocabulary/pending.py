@@ -9,8 +9,9 @@ exactly.
 
 from typing import Any, NamedTuple
 
-import numpy as np
 from keras import ops
+
+from sparseopt.halves import join_halves, split_halves
 
 FIELDS = 12  # high, low, row, step, sightings: two halves each; evicted; valid
 
@@ -27,21 +28,6 @@ class Entries(NamedTuple):
     sightings: Any
 
 
-def split_halves(x):
-    """int32 `x` as two float32 arrays, its upper and lower 16 bits (exact in float32)."""
-    x = ops.cast(x, "int32")
-    return [ops.cast(ops.bitwise_and(ops.right_shift(x, 16), 0xFFFF), "float32"),
-            ops.cast(ops.bitwise_and(x, 0xFFFF), "float32")]
-
-
-def join_halves(upper, lower):
-    """The int32 values whose halves `split_halves` gave."""
-    u32 = "uint32"
-    joined = ops.bitwise_or(ops.left_shift(ops.cast(upper, u32), np.uint32(16)),
-                            ops.cast(lower, u32))
-    return ops.cast(joined, "int32")
-
-
 def encode(high, low, rows, step, evicted, valid, sightings, size):
     """float32 `[size, FIELDS]` of `M <= size` entries (int32 `[M]` halves, rows, a scalar
     step; bool `[M]` evicted and valid; int32 `[M]` the ids' sightings in their step),
@@ -54,16 +40,6 @@ def encode(high, low, rows, step, evicted, valid, sightings, size):
     if entries.shape[0] == size:
         return entries
     return ops.pad(entries, [[0, size - ops.shape(entries)[0]], [0, 0]])
-
-
-def encode_step(step):
-    """float32 `[2]`: an int32 scalar step as two 16-bit halves (`decode_step`)."""
-    return ops.stack(split_halves(step))
-
-
-def decode_step(values):
-    """The int32 scalar step of an `encode_step`d array."""
-    return join_halves(values[0], values[1])
 
 
 def decode(values):

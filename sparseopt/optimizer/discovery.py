@@ -19,7 +19,7 @@ read: another live model, broken or not, never matters.
 import dataclasses
 
 from sparseopt import backend, compat
-from sparseopt.keras_rs_tables import default_device_tables
+from sparseopt.optimizer.keras_rs_tables import default_device_tables
 
 
 @dataclasses.dataclass

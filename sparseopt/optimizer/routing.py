@@ -10,14 +10,14 @@ the plan. Who assigns what, first match wins:
 1. `optimizer_map` (an exact path, else one `re.fullmatch`ing key);
 2. the variable's own `optimizer` attribute (Keras PR #21196);
 3. what a layer declares (`variable_path_to_optimizer_map`) or keras-rs'
-   `TableConfig.optimizer` (`sparseopt.discovery`);
+   `TableConfig.optimizer` (`sparseopt.optimizer.discovery`);
 4. the wrapped (default) Keras optimizer.
 """
 
 import dataclasses
 import re
 
-from sparseopt import checks
+from sparseopt.optimizer import checks
 from sparseopt.updaters import Updater
 
 DENSE, TABLE, INSTALLED, PROBE = "dense", "table", "installed", "probe"
@@ -57,7 +57,7 @@ def plan(variables, declared, optimizer_map, default_optimizer):
 
     Args:
         variables: the trainable variables the optimizer is built for.
-        declared: `{id(variable): sparseopt.discovery.Declared}`.
+        declared: `{id(variable): sparseopt.optimizer.discovery.Declared}`.
         optimizer_map: `{path or regex: Keras optimizer or Updater}`.
         default_optimizer: the Keras optimizer of everything else.
 
