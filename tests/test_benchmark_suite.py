@@ -212,3 +212,24 @@ def test_updaters_benchmark_reports_every_updater_against_sgd_and_fbgemm():
     assert "| `Adagrad` | 2.00 (2.0x) | 1.50 |" in text
     assert "| `Adam` | 2.00 (2.0x) | not on CPU |" in text
     assert "| plain Keras, dense Adam table | 30.00 (30.0x) | - |" in text
+
+
+@pytest.mark.backend_independent
+def test_disk_cache_benchmark_runs_and_hit_rates_grow_with_the_cache(tmp_path):
+    """A tiny run of benchmarks/disk_cache.py: every cache size measured beside memory."""
+    import json
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    out = tmp_path / "disk_cache.json"
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "disk_cache.py"), "--rows", "100000",
+         "--batch", "2048", "--steps", "20", "--warmup", "10", "--out", str(out)],
+        env=child_env("jax"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    assert [r["cache_fraction"] for r in results] == [0.01, 0.05, 0.20]
+    assert all(r["memory_ms"] > 0 and r["cache_ms"] > 0 for r in results)
+    rates = [r["hit_rate"] for r in results]
+    assert 0 < rates[0] < rates[1] < rates[2] <= 1
+    assert "cached / in memory" in proc.stdout

@@ -75,7 +75,7 @@ LAYERS = [
     ["sparseopt.native"],
     ["sparseopt.backend"],
     ["sparseopt.distribution"],
-    ["sparseopt.storage"],
+    ["sparseopt.storage", "sparseopt.disk"],
     ["sparseopt.vocabulary", "sparseopt.ops"],
     ["sparseopt.updaters.core.slots", "sparseopt.updaters.core.transforms",
      "sparseopt.updaters.core.hyperparameters", "sparseopt.updaters.core.legacy"],

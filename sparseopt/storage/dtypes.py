@@ -1,6 +1,7 @@
 """The dtypes a table or its state may be stored in (no backend needed to check them)."""
 
 import keras
+import numpy as np
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 HALF_DTYPES = ("bfloat16", "float16")
@@ -24,3 +25,11 @@ def check_dtype(owner, name, dtype):
         raise ValueError(f"{owner}: `{name}` must be one of {list(FLOAT_DTYPES)}, "
                          f"got {dtype!r}.")
     return standard
+
+
+def numpy_dtype(name):
+    """The NumPy dtype of a dtype name; bfloat16 is `ml_dtypes.bfloat16` (Keras' own)."""
+    if str(name) == "bfloat16":
+        import ml_dtypes  # a dependency of Keras
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(str(name))

@@ -1,0 +1,188 @@
+"""`RowCache`: the hot rows of a table on disk, and their state, in memory.
+
+A set-associative write-back cache (FBGEMM's and HugeCTR's layout): a row's
+id picks one set (a hash of the id, so strided ids spread), and the row is
+held in one of that set's `ways` entries. A row is read from the files when
+missed, written to them only when evicted dirty (or at `flush`). Which entry
+of a full set is evicted:
+
+- `"lru"`: the one used longest ago;
+- `"lfu"`: the one used least often since it was cached (ties: longest ago).
+
+Every operation is vectorized over the ids of a call (NumPy), so a step's
+cost follows its distinct ids. Reads and writes hold the cache's lock: a
+prefetch thread and a step may call it at once.
+"""
+
+import threading
+
+import numpy as np
+
+from sparseopt.disk.initial_rows import mix
+
+POLICIES = ("lru", "lfu")
+DEFAULT_WAYS = 8
+_TICK_BITS = 40
+# LFU's counts stop here, so that `uses << _TICK_BITS` stays a positive int64.
+_MAX_USES = (1 << 22) - 1
+
+
+class RowCache:
+    """`cache_rows` rows of `files` (a `RowFiles`) and their state, in memory.
+
+    Args:
+        files: the table's `sparseopt.disk.row_files.RowFiles`.
+        cache_rows: how many rows (with their state) memory holds; rounded
+            down to whole sets of `ways` (at least one set).
+        policy: `"lru"` or `"lfu"`.
+        ways: entries per set.
+    """
+
+    def __init__(self, files, cache_rows, policy="lru", ways=DEFAULT_WAYS):
+        if policy not in POLICIES:
+            raise ValueError(f"{files.owner}: cache policy must be one of {POLICIES}, got "
+                             f"{policy!r}.")
+        if isinstance(cache_rows, bool) or int(cache_rows) != cache_rows or cache_rows < 1:
+            raise ValueError(f"{files.owner}: `cache_rows` must be a positive int, got "
+                             f"{cache_rows!r}.")
+        self.files, self.policy = files, policy
+        self.ways = max(1, min(int(ways), int(cache_rows)))
+        self.sets = max(1, int(cache_rows) // self.ways)
+        entries = self.sets * self.ways
+        self.tags = np.full((self.sets, self.ways), -1, np.int64)  # row id, -1: empty
+        self.dirty = np.zeros((self.sets, self.ways), bool)
+        self.uses = np.zeros((self.sets, self.ways), np.int64)
+        self.last = np.zeros((self.sets, self.ways), np.int64)
+        self.data = {name: np.zeros((entries,) + col.tail, files.maps[name].dtype)
+                     for name, col in files.columns.items()}
+        self.row_bytes = sum(int(np.prod(col.tail, dtype=np.int64)) * a.itemsize
+                             for (name, col), a in zip(files.columns.items(),
+                                                       files.maps.values()))
+        self.tick = 0
+        self.lock = threading.RLock()
+        self.stats = {"hits": 0, "misses": 0, "rows_read": 0, "rows_written": 0}
+
+    @property
+    def capacity(self):
+        """How many rows the cache holds."""
+        return self.sets * self.ways
+
+    def set_of(self, ids):
+        """The set each id is cached in (a hash of the id)."""
+        return (mix(np.asarray(ids, np.int64).astype(np.uint64))
+                % np.uint64(self.sets)).astype(np.int64)
+
+    def _find(self, ids):
+        """`(sets, ways, hit)` of distinct `ids`: where each is cached, if it is."""
+        sets = self.set_of(ids)
+        match = self.tags[sets] == ids[:, None]
+        return sets, np.argmax(match, axis=1), match.any(axis=1)
+
+    def _touch(self, sets, ways):
+        self.tick += 1
+        self.last[sets, ways] = self.tick
+        self.uses[sets, ways] = np.minimum(self.uses[sets, ways] + 1, _MAX_USES)
+
+    def read(self, ids):
+        """`{column: values [M, *tail]}` of distinct rows `ids` (int `[M]`), as stored.
+
+        Missed rows are read from the files and cached (evicting others).
+        """
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        with self.lock:
+            sets, ways, hit = self._find(ids)
+            out = {n: np.empty((ids.size,) + a.shape[1:], a.dtype) for n, a in self.data.items()}
+            slots = sets[hit] * self.ways + ways[hit]
+            for name, array in self.data.items():
+                out[name][hit] = array[slots]
+            self._touch(sets[hit], ways[hit])
+            missed = np.flatnonzero(~hit)
+            self.stats["hits"] += int(hit.sum())
+            self.stats["misses"] += int(missed.size)
+            if missed.size:
+                fetched = self.files.read(ids[missed])
+                self.stats["rows_read"] += int(self.files.is_written(ids[missed]).sum())
+                for name in out:
+                    out[name][missed] = fetched[name]
+                self._insert(ids[missed], fetched, dirty=False)
+            return out
+
+    def write(self, ids, values):
+        """Writes `values` (`{column: [M, *tail]}`, every column) of distinct rows `ids`.
+
+        Cached rows are updated in memory (written to the files when
+        evicted); others are cached with their new values.
+        """
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        with self.lock:
+            sets, ways, hit = self._find(ids)
+            slots = sets[hit] * self.ways + ways[hit]
+            for name, array in self.data.items():
+                array[slots] = np.asarray(values[name])[hit]
+            self.dirty[sets[hit], ways[hit]] = True
+            self._touch(sets[hit], ways[hit])
+            missed = np.flatnonzero(~hit)
+            if missed.size:
+                self._insert(ids[missed], {n: np.asarray(v)[missed] for n, v in values.items()},
+                             dirty=True)
+
+    def _insert(self, ids, values, dirty):
+        """Caches distinct uncached `ids` with `values`, evicting (and writing back) others.
+
+        A set receives one id per round, so the victims of a round are
+        distinct entries; where more ids than ways fall in one set, later
+        ones evict earlier ones (written back if dirty: nothing is lost).
+        """
+        sets = self.set_of(ids)
+        order = np.argsort(sets, kind="stable")
+        # Rank of each id among those of its set: round k holds the k-th.
+        sorted_sets = sets[order]
+        first = np.searchsorted(sorted_sets, sorted_sets, side="left")
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size) - first
+        for k in range(int(rank.max()) + 1):
+            members = np.flatnonzero(rank == k)
+            s = sets[members]
+            ways = np.argmin(self._victim_key(s), axis=1)
+            self._write_back(s, ways)
+            slots = s * self.ways + ways
+            for name, array in self.data.items():
+                array[slots] = values[name][members]
+            self.tags[s, ways] = ids[members]
+            self.dirty[s, ways] = dirty
+            self.uses[s, ways] = 0
+            self._touch(s, ways)
+
+    def _victim_key(self, sets):
+        """Per way of each set, a key whose smallest entry is evicted (empty ones first)."""
+        last = self.last[sets]
+        key = last if self.policy == "lru" else (self.uses[sets] << _TICK_BITS) | last
+        return np.where(self.tags[sets] < 0, -1, key)
+
+    def _write_back(self, sets, ways):
+        """Writes the dirty rows held at `(sets, ways)` to the files."""
+        dirty = self.dirty[sets, ways] & (self.tags[sets, ways] >= 0)
+        if not dirty.any():
+            return
+        s, w = sets[dirty], ways[dirty]
+        slots = s * self.ways + w
+        self.files.write(self.tags[s, w], {n: a[slots] for n, a in self.data.items()})
+        self.dirty[s, w] = False
+        self.stats["rows_written"] += int(dirty.sum())
+
+    def flush(self):
+        """Writes every dirty row to the files, and the files to disk."""
+        with self.lock:
+            s, w = np.nonzero(self.dirty & (self.tags >= 0))
+            self._write_back(s, w)
+            self.files.flush()
+
+    def health(self):
+        """Counts so far: hits, misses, hit rate, rows and bytes read from and written to disk."""
+        with self.lock:
+            stats = dict(self.stats)
+        looked = stats["hits"] + stats["misses"]
+        stats["hit_rate"] = stats["hits"] / looked if looked else None
+        stats["bytes_read"] = stats["rows_read"] * self.row_bytes
+        stats["bytes_written"] = stats["rows_written"] * self.row_bytes
+        return stats

@@ -1,0 +1,184 @@
+"""`RowFiles`: a table's rows and per-row state in memory-mapped files, allocated lazily.
+
+One file per column (the rows, then each per-row slot), laid out row after
+row, plus `written.bits` (one bit per row: whether the row was ever written)
+and `table.json` (what the files hold). Files are created at their full
+size but sparse, so a table costs no disk until its rows are written; a row
+never written reads as its initial values (`InitialRows` for the rows, each
+slot's constant).
+
+Writes go through the memory map, whose pages the kernel writes back. A page
+of a sparse file that cannot be given disk when written would kill the
+process (SIGBUS), so disk is reserved (`posix_fallocate`) a chunk of rows at
+a time before a chunk is first written: a full disk is then an `OSError`
+naming the table, raised before anything of the write happened.
+"""
+
+import json
+import os
+import pathlib
+
+import numpy as np
+
+from sparseopt.storage.dtypes import numpy_dtype
+
+FORMAT = 1
+# Rows reserved on disk at once (per file): a chunk is 64 KiB of float32 rows
+# of width 16.
+CHUNK_ROWS = 1024
+WRITTEN = "written.bits"
+
+
+class Column:
+    """One file's layout: values of shape `tail` per row, of `dtype`, starting at `initial`.
+
+    Args:
+        tail: the shape of one row's values (`(width,)`, or `()` for one per row).
+        dtype: their dtype name (`"float32"`, `"bfloat16"`, `"float16"`, `"int32"`...).
+        initial: a number (every row starts there), or a function of int64
+            row ids `[M]` giving float32 `[M, *tail]` (a table's drawn rows).
+    """
+
+    def __init__(self, tail, dtype, initial=0.0):
+        self.tail, self.dtype, self.initial = tuple(int(d) for d in tail), str(dtype), initial
+
+    def describe(self):
+        return {"tail": list(self.tail), "dtype": self.dtype}
+
+
+class RowFiles:
+    """A table's columns (rows and per-row state) in files under `path`.
+
+    Args:
+        path: the table's folder (created if missing). Files already there
+            are opened, after checking they hold this table.
+        num_rows: the table's rows.
+        columns: `{name: Column}`.
+        owner: the table's name, for messages.
+        describe: more of what `table.json` records and a reopening checks
+            (the initializer's config, the updater's).
+
+    Raises:
+        ValueError: the folder holds another table's files.
+    """
+
+    def __init__(self, path, num_rows, columns, owner="table", describe=None):
+        self.path, self.num_rows, self.owner = pathlib.Path(path), int(num_rows), owner
+        self.columns = dict(columns)
+        self.path.mkdir(parents=True, exist_ok=True)
+        meta = {"format": FORMAT, "num_rows": self.num_rows,
+                "columns": {n: c.describe() for n, c in self.columns.items()},
+                **(describe or {})}
+        self._check_or_write(meta)
+        self.maps = {name: self._open(f"{name}.bin", (self.num_rows,) + col.tail,
+                                      numpy_dtype(col.dtype))
+                     for name, col in self.columns.items()}
+        self.written = self._open(WRITTEN, ((self.num_rows + 7) // 8,), np.uint8)
+        chunks = (self.num_rows + CHUNK_ROWS - 1) // CHUNK_ROWS
+        self._reserved = np.zeros((chunks,), bool)  # chunks reserved in this process
+        self._inode = os.stat(self.path / WRITTEN).st_ino
+
+    def _check_or_write(self, meta):
+        file = self.path / "table.json"
+        if file.exists():
+            found = json.loads(file.read_text())
+            if found != json.loads(json.dumps(meta)):
+                raise ValueError(
+                    f"{self.owner}: '{self.path}' holds another table's files ({found}); this "
+                    f"table is {meta}. Give each table its own folder, or remove the old one.")
+            return
+        tmp = file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(meta, indent=1, sort_keys=True))
+        os.replace(tmp, file)
+
+    def _open(self, name, shape, dtype):
+        file = self.path / name
+        mode = "r+" if file.exists() else "w+"  # w+: a sparse file of the full size
+        return np.memmap(file, dtype=dtype, mode=mode, shape=shape)
+
+    def is_written(self, ids):
+        """Boolean `[M]`: which rows `ids` were ever written."""
+        ids = np.asarray(ids, np.int64)
+        return (self.written[ids >> 3] >> (ids & 7).astype(np.uint8)) & 1 == 1
+
+    def read(self, ids):
+        """`{column: values [M, *tail]}` of rows `ids`, as stored (their initial values where
+        never written, cast to the column's dtype)."""
+        ids = np.asarray(ids, np.int64)
+        written = self.is_written(ids)
+        out = {}
+        for name, col in self.columns.items():
+            values = np.array(self.maps[name][ids])
+            fresh = ~written
+            if fresh.any():
+                start = col.initial(ids[fresh]) if callable(col.initial) else col.initial
+                values[fresh] = np.asarray(start).astype(values.dtype)
+            out[name] = values
+        return out
+
+    def write(self, ids, values):
+        """Writes `values` (`{column: [M, *tail]}`, every column) of distinct rows `ids`.
+
+        Raises:
+            OSError: the disk cannot hold the rows (nothing was written).
+            KeyError: a column is missing.
+        """
+        ids = np.asarray(ids, np.int64)
+        if ids.size == 0:
+            return
+        self._reserve(ids)
+        for name in self.columns:
+            self.maps[name][ids] = values[name]
+        np.bitwise_or.at(self.written, ids >> 3,
+                         np.left_shift(1, ids & 7).astype(np.uint8))
+
+    def _reserve(self, ids):
+        chunks = np.unique(ids // CHUNK_ROWS)
+        chunks = chunks[~self._reserved[chunks]]
+        for chunk in chunks:
+            first = int(chunk) * CHUNK_ROWS
+            rows = min(CHUNK_ROWS, self.num_rows - first)
+            for name, array in [*self.maps.items(), (WRITTEN, None)]:
+                if array is None:  # the bitmap's bytes of these rows
+                    offset, length = first // 8, (rows + 7) // 8
+                    file = WRITTEN
+                else:
+                    size = array.itemsize * int(np.prod(array.shape[1:], dtype=np.int64))
+                    offset, length, file = first * size, rows * size, f"{name}.bin"
+                self._fallocate(file, offset, length)
+            self._reserved[chunk] = True
+
+    def _fallocate(self, name, offset, length):
+        try:
+            fd = os.open(self.path / name, os.O_RDWR)
+        except FileNotFoundError as error:
+            raise FileNotFoundError(
+                f"{self.owner}: its file '{self.path / name}' disappeared; the table on disk "
+                "is incomplete. Restore the folder from a save.") from error
+        try:
+            os.posix_fallocate(fd, offset, length)
+        except OSError as error:
+            raise OSError(error.errno,
+                          f"{self.owner}: no room on disk for its rows in '{self.path}' "
+                          f"({error.strerror}); nothing of this write was made. Free disk "
+                          "space or move the table's folder.") from error
+        finally:
+            os.close(fd)
+
+    def flush(self):
+        """Writes every mapped page to disk (after checking the files are still there)."""
+        try:
+            same = os.stat(self.path / WRITTEN).st_ino == self._inode
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise FileNotFoundError(
+                f"{self.owner}: its files in '{self.path}' disappeared or were replaced "
+                "while it trained. Restore the folder from a save.")
+        for array in [*self.maps.values(), self.written]:
+            array.flush()
+
+    def disk_bytes(self):
+        """Bytes the files take on disk (their allocated blocks, not their size)."""
+        return sum(os.stat(self.path / f).st_blocks * 512
+                   for f in [*(f"{n}.bin" for n in self.columns), WRITTEN])
