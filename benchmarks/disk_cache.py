@@ -38,8 +38,14 @@ def zipf_stream(rows, batch, steps, seed=0):
     rng = np.random.default_rng(seed)
     perm = rng.permutation(rows) if rows <= 10**8 else None
     for _ in range(steps):
-        ranks = np.minimum(rng.zipf(1.05, batch), rows) - 1
-        ids = perm[ranks] if perm is not None else (ranks * 2654435761) % rows
+        ranks = rng.zipf(1.05, batch)
+        # Truncated to the table: ranks past it are drawn again (clipping them
+        # would pile a third of the ids onto one row).
+        while (over := ranks > rows).any():
+            ranks[over] = rng.zipf(1.05, int(over.sum()))
+        ranks = ranks - 1
+        ids = perm[ranks] if perm is not None else (ranks.astype(np.uint64) * np.uint64(
+            2654435761) % np.uint64(rows)).astype(np.int64)
         yield np.unique(ids)
 
 

@@ -25,14 +25,15 @@ M64 = (1 << 64) - 1
 
 
 def splitmix_finalizer(z):
-    """splitmix64's finalizer in plain Python integers (the published constants)."""
+    """The documented mix in plain Python integers: times splitmix64's golden gamma, then
+    its published finalizer (checks NumPy's wrapping uint64 arithmetic against exact ints)."""
     z = (z * 0x9E3779B97F4A7C15) & M64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
     return z ^ (z >> 31)
 
 
-def test_the_hash_is_splitmix64s_finalizer():
+def test_the_hash_is_the_documented_splitmix64_mix():
     values = [0, 1, 2, 12345, 2**40 + 7, M64]
     got = initial_rows.mix(np.array(values, np.uint64))
     assert [int(v) for v in got] == [splitmix_finalizer(v) for v in values]
@@ -177,3 +178,80 @@ def test_the_cache_reads_what_was_last_written_whatever_it_evicts(
         assert on_disk["acc"][i] == want[1] and on_disk["last"][i] == want[2]
     health = cache.health()
     assert health["hits"] + health["misses"] == sum(len(i) for o, i, _ in ops if o == "read")
+
+
+def test_an_unseeded_initializer_draws_the_same_rows_every_time(tmp_path):
+    # Keras draws a seed per unseeded initializer instance; a table on disk must not.
+    first = InitialRows("uniform", 4)(np.arange(10))
+    np.testing.assert_array_equal(InitialRows("uniform", 4)(np.arange(10)), first)
+    make_files(tmp_path, initializer="uniform").flush()
+    make_files(tmp_path, initializer="uniform")  # reopens: the same table
+
+
+def test_missing_or_stray_files_are_refused_not_recreated(tmp_path):
+    files = make_files(tmp_path / "t")
+    files.write(np.array([7]), {"rows": np.ones((1, 3)), "acc": np.ones(1), "last": np.ones(1)})
+    files.flush()
+    del files
+    os.remove(tmp_path / "t" / "rows.bin")
+    with pytest.raises(ValueError, match="emb/embeddings.*rows.bin' is missing"):
+        make_files(tmp_path / "t")
+    os.remove(tmp_path / "t" / "table.json")
+    with pytest.raises(ValueError, match="without their table.json"):
+        make_files(tmp_path / "t")
+
+
+def test_ids_outside_the_table_or_repeated_are_refused(tmp_path):
+    files = make_files(tmp_path, num_rows=10)
+    values = {"rows": np.ones((1, 3)), "acc": np.ones(1), "last": np.ones(1)}
+    for bad in (-1, 10):
+        with pytest.raises(IndexError, match=f"emb/embeddings: row {bad} is outside"):
+            files.write(np.array([bad]), values)
+        with pytest.raises(IndexError, match="outside"):
+            RowCache(files, 4).read(np.array([bad]))
+    with pytest.raises(ValueError, match="distinct"):
+        RowCache(files, 4).write(np.array([5, 5]), {n: np.concatenate([v, v])
+                                                     for n, v in values.items()})
+    with pytest.raises(KeyError, match="missing \\['last'\\]"):
+        files.write(np.array([1]), {"rows": np.ones((1, 3)), "acc": np.ones(1)})
+    assert not files.is_written(np.arange(10)).any()
+
+
+def test_disk_is_reserved_for_every_byte_a_write_touches(tmp_path, monkeypatch):
+    # (posix_fallocate is recorded, not replaced: what it was asked must cover the writes.)
+    asked = []
+    real = os.posix_fallocate
+
+    def record(fd, offset, length):
+        asked.append((os.readlink(f"/proc/self/fd/{fd}").rsplit("/", 1)[-1], offset, length))
+        real(fd, offset, length)
+    monkeypatch.setattr(os, "posix_fallocate", record)
+    rows = 5 * CHUNK_ROWS + 3
+    files = make_files(tmp_path, num_rows=rows, width=5)
+    ids = np.array([0, CHUNK_ROWS - 1, 3 * CHUNK_ROWS + 17, rows - 1])
+    files.write(ids, {"rows": np.ones((4, 5)), "acc": np.ones(4), "last": np.ones(4)})
+
+    def covered(name, start, stop):
+        return any(n == name and o <= start and stop <= o + n_ for n, o, n_ in asked)
+    for i in ids:
+        assert covered("rows.bin", i * 20, (i + 1) * 20)
+        assert covered("acc.bin", i * 4, (i + 1) * 4) and covered("last.bin", i * 4, (i + 1) * 4)
+        assert covered("written.bits", i // 8, i // 8 + 1)
+    sizes = {n: os.stat(tmp_path / n).st_size for n, _, _ in asked}
+    assert all(o + n_ <= sizes[n] for n, o, n_ in asked)
+    assert len(asked) == 3 * 4  # each of the 3 chunks once, in each of the 4 files
+    files.write(ids[:1], {"rows": np.ones((1, 5)), "acc": np.ones(1), "last": np.ones(1)})
+    assert len(asked) == 3 * 4  # reserved already
+
+
+def test_the_cache_counts_hits_misses_and_rows_moved(tmp_path):
+    cache = RowCache(make_files(tmp_path), cache_rows=2, policy="lru", ways=2)
+    values = {"rows": np.ones((2, 3)), "acc": np.ones(2), "last": np.ones(2)}
+    cache.write(np.array([1, 2]), values)         # both cached, dirty
+    cache.read(np.array([1, 3]))                  # 1 hit; 3 missed, evicts 2 (written back)
+    cache.read(np.array([2]))                     # missed: read from the files; evicts
+    health = cache.health()                       # 1 (used before 3), written back
+    assert (health["hits"], health["misses"]) == (1, 2) and health["hit_rate"] == 1 / 3
+    assert (health["rows_written"], health["rows_read"]) == (2, 1)
+    row_bytes = 3 * 4 + 4 + 4
+    assert (health["bytes_read"], health["bytes_written"]) == (row_bytes, 2 * row_bytes)

@@ -3,10 +3,13 @@
 Keras draws a table's initial values in one piece from its random generator.
 A table on disk may have a billion rows, most never touched, so its rows are
 drawn only when first read, and each row's values depend on nothing but the
-table's seed, the row and the column: a counter-based hash (splitmix64's
-finalizer, as in counter-based generators such as Philox) of
-`(seed, row * width + column)`, turned into the initializer's distribution.
-Same seed, same rows, in any order, on any machine.
+table's seed, the row and the column: a counter-based hash (the counter times
+splitmix64's golden gamma, then splitmix64's finalizer, as counter-based
+generators such as Philox hash a counter) of `(seed, row * width + column)`,
+turned into the initializer's distribution. Same seed, same rows, in any
+order; uniform draws are exact integer arithmetic, the same on any machine
+(normal ones go through `log` and `cos`, which may differ in the last bit
+between NumPy builds).
 
 The distributions are Keras' (`RandomUniform`, `RandomNormal`,
 `TruncatedNormal`, constants); the draws are not Keras' draws.
@@ -24,7 +27,7 @@ _TRUNCATION_ROUNDS = 16
 
 
 def mix(values):
-    """splitmix64's finalizer of uint64 `values` (a bijection of 64-bit words)."""
+    """uint64 `values` times splitmix64's golden gamma, then its finalizer (a bijection)."""
     with np.errstate(over="ignore"):
         z = values.astype(np.uint64) * _GOLDEN
         z = (z ^ (z >> np.uint64(30))) * _M1
@@ -61,7 +64,8 @@ class InitialRows:
             `RandomUniform` (`"uniform"`), `RandomNormal`, `TruncatedNormal`,
             `Zeros`, `Ones` or `Constant`.
         width: the table's width.
-        seed: int seed; None: the initializer's own seed, else 0.
+        seed: int seed; None: the seed given to the initializer, else 0 (never
+            the one Keras draws for an unseeded initializer).
         owner: who asks (a table), for messages.
 
     Raises:
@@ -74,7 +78,9 @@ class InitialRows:
         self.width = int(width)
         init = self.initializer
         if seed is None:
-            seed = getattr(init, "seed", None)
+            # The seed the user gave (None in the config when none was: Keras
+            # then draws one per instance, which a reopened table could not repeat).
+            seed = init.get_config().get("seed")
             seed = seed if isinstance(seed, int) else 0
         self.seed = int(seed) % (1 << 63)
         kinds = (keras.initializers.RandomUniform, keras.initializers.RandomNormal,
@@ -96,6 +102,9 @@ class InitialRows:
         if isinstance(init, keras.initializers.RandomUniform):
             u = uniform01(self.seed, 0, counters)
             values = init.minval + (init.maxval - init.minval) * u
+            # (float32 could round a value just below maxval up to it.)
+            high = np.nextafter(np.float32(init.maxval), np.float32(init.minval))
+            values = np.minimum(values.astype(np.float32), high)
         elif isinstance(init, keras.initializers.TruncatedNormal):
             values = self._truncated(counters)
             values = init.mean + init.stddev * values

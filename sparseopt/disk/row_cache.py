@@ -10,7 +10,9 @@ of a full set is evicted:
 - `"lfu"`: the one used least often since it was cached (ties: longest ago).
 
 Every operation is vectorized over the ids of a call (NumPy), so a step's
-cost follows its distinct ids. Reads and writes hold the cache's lock: a
+cost follows its distinct ids. A row whose write-back fails (a full disk)
+stays cached and dirty, so no row already written is lost; the failing call
+raises after part of its own rows may have been cached. Reads and writes hold the cache's lock: a
 prefetch thread and a step may call it at once.
 """
 
@@ -72,6 +74,14 @@ class RowCache:
         return (mix(np.asarray(ids, np.int64).astype(np.uint64))
                 % np.uint64(self.sets)).astype(np.int64)
 
+    def _checked(self, ids):
+        """`ids` as int64, refused if one is outside the table or repeats."""
+        ids = self.files.check_ids(ids)
+        if np.unique(ids).size != ids.size:
+            raise ValueError(f"{self.files.owner}: the cache reads and writes distinct "
+                             "rows; these ids repeat.")
+        return ids
+
     def _find(self, ids):
         """`(sets, ways, hit)` of distinct `ids`: where each is cached, if it is."""
         sets = self.set_of(ids)
@@ -88,7 +98,7 @@ class RowCache:
 
         Missed rows are read from the files and cached (evicting others).
         """
-        ids = np.asarray(ids, np.int64).reshape(-1)
+        ids = self._checked(ids)
         with self.lock:
             sets, ways, hit = self._find(ids)
             out = {n: np.empty((ids.size,) + a.shape[1:], a.dtype) for n, a in self.data.items()}
@@ -113,7 +123,7 @@ class RowCache:
         Cached rows are updated in memory (written to the files when
         evicted); others are cached with their new values.
         """
-        ids = np.asarray(ids, np.int64).reshape(-1)
+        ids = self._checked(ids)
         with self.lock:
             sets, ways, hit = self._find(ids)
             slots = sets[hit] * self.ways + ways[hit]

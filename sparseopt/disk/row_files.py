@@ -15,6 +15,7 @@ naming the table, raised before anything of the write happened.
 """
 
 import json
+import mmap
 import os
 import pathlib
 
@@ -69,32 +70,60 @@ class RowFiles:
         meta = {"format": FORMAT, "num_rows": self.num_rows,
                 "columns": {n: c.describe() for n, c in self.columns.items()},
                 **(describe or {})}
-        self._check_or_write(meta)
-        self.maps = {name: self._open(f"{name}.bin", (self.num_rows,) + col.tail,
-                                      numpy_dtype(col.dtype))
-                     for name, col in self.columns.items()}
-        self.written = self._open(WRITTEN, ((self.num_rows + 7) // 8,), np.uint8)
+        layout = {f"{name}.bin": ((self.num_rows,) + col.tail, numpy_dtype(col.dtype))
+                  for name, col in self.columns.items()}
+        layout[WRITTEN] = (((self.num_rows + 7) // 8,), np.dtype(np.uint8))
+        existing = self._check_or_write(meta, layout)
+        mode = "r+" if existing else "w+"  # w+: a sparse file of the full size
+        maps = {file: np.memmap(self.path / file, dtype=dtype, mode=mode, shape=shape)
+                for file, (shape, dtype) in layout.items()}
+        self.written = maps.pop(WRITTEN)
+        self.maps = {name: maps[f"{name}.bin"] for name in self.columns}
         chunks = (self.num_rows + CHUNK_ROWS - 1) // CHUNK_ROWS
         self._reserved = np.zeros((chunks,), bool)  # chunks reserved in this process
         self._inode = os.stat(self.path / WRITTEN).st_ino
 
-    def _check_or_write(self, meta):
-        file = self.path / "table.json"
-        if file.exists():
-            found = json.loads(file.read_text())
-            if found != json.loads(json.dumps(meta)):
-                raise ValueError(
-                    f"{self.owner}: '{self.path}' holds another table's files ({found}); this "
-                    f"table is {meta}. Give each table its own folder, or remove the old one.")
-            return
-        tmp = file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(meta, indent=1, sort_keys=True))
-        os.replace(tmp, file)
+    def _check_or_write(self, meta, layout):
+        """Whether the folder already holds this table (every file, at its size).
 
-    def _open(self, name, shape, dtype):
-        file = self.path / name
-        mode = "r+" if file.exists() else "w+"  # w+: a sparse file of the full size
-        return np.memmap(file, dtype=dtype, mode=mode, shape=shape)
+        Raises:
+            ValueError: it holds another table's files, files without their
+                `table.json`, or misses some of this table's files.
+        """
+        file = self.path / "table.json"
+        if not file.exists():
+            stray = sorted(f for f in layout if (self.path / f).exists())
+            if stray:
+                raise ValueError(
+                    f"{self.owner}: '{self.path}' holds table files {stray} without their "
+                    "table.json: they cannot be checked. Give the table an empty folder.")
+            tmp = file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(meta, indent=1, sort_keys=True))
+            os.replace(tmp, file)
+            return False
+        found = json.loads(file.read_text())
+        if found != json.loads(json.dumps(meta)):
+            raise ValueError(
+                f"{self.owner}: '{self.path}' holds another table's files ({found}); this "
+                f"table is {meta}. Give each table its own folder, or remove the old one.")
+        for name, (shape, dtype) in layout.items():
+            size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            there = (self.path / name).stat().st_size if (self.path / name).exists() else None
+            if there != size:
+                raise ValueError(
+                    f"{self.owner}: its file '{self.path / name}' is "
+                    f"{'missing' if there is None else f'{there} bytes, not {size}'}; the "
+                    "table on disk is incomplete. Restore the folder from a save.")
+        return True
+
+    def check_ids(self, ids):
+        """`ids` as int64, or an IndexError naming the table if one is outside the table."""
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_rows):
+            bad = ids[(ids < 0) | (ids >= self.num_rows)][0]
+            raise IndexError(f"{self.owner}: row {bad} is outside the table's "
+                             f"{self.num_rows} rows.")
+        return ids
 
     def is_written(self, ids):
         """Boolean `[M]`: which rows `ids` were ever written."""
@@ -104,7 +133,7 @@ class RowFiles:
     def read(self, ids):
         """`{column: values [M, *tail]}` of rows `ids`, as stored (their initial values where
         never written, cast to the column's dtype)."""
-        ids = np.asarray(ids, np.int64)
+        ids = self.check_ids(ids)
         written = self.is_written(ids)
         out = {}
         for name, col in self.columns.items():
@@ -121,9 +150,13 @@ class RowFiles:
 
         Raises:
             OSError: the disk cannot hold the rows (nothing was written).
-            KeyError: a column is missing.
+            KeyError: a column is missing (nothing was written).
+            IndexError: an id is outside the table (nothing was written).
         """
-        ids = np.asarray(ids, np.int64)
+        ids = self.check_ids(ids)
+        missing = [name for name in self.columns if name not in values]
+        if missing:
+            raise KeyError(f"{self.owner}: a write must give every column; missing {missing}.")
         if ids.size == 0:
             return
         self._reserve(ids)
@@ -145,7 +178,11 @@ class RowFiles:
                 else:
                     size = array.itemsize * int(np.prod(array.shape[1:], dtype=np.int64))
                     offset, length, file = first * size, rows * size, f"{name}.bin"
-                self._fallocate(file, offset, length)
+                # Whole pages: the first write to a page needs all of its blocks.
+                end = min(-(-(offset + length) // mmap.PAGESIZE) * mmap.PAGESIZE,
+                          (self.path / file).stat().st_size)
+                offset = offset // mmap.PAGESIZE * mmap.PAGESIZE
+                self._fallocate(file, offset, end - offset)
             self._reserved[chunk] = True
 
     def _fallocate(self, name, offset, length):
