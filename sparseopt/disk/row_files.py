@@ -134,11 +134,10 @@ class RowFiles:
         """`{column: values [M, *tail]}` of rows `ids`, as stored (their initial values where
         never written, cast to the column's dtype)."""
         ids = self.check_ids(ids)
-        written = self.is_written(ids)
+        fresh = ~self.is_written(ids)
         out = {}
         for name, col in self.columns.items():
             values = np.array(self.maps[name][ids])
-            fresh = ~written
             if fresh.any():
                 start = col.initial(ids[fresh]) if callable(col.initial) else col.initial
                 values[fresh] = np.asarray(start).astype(values.dtype)
@@ -171,16 +170,15 @@ class RowFiles:
         for chunk in chunks:
             first = int(chunk) * CHUNK_ROWS
             rows = min(CHUNK_ROWS, self.num_rows - first)
-            for name, array in [*self.maps.items(), (WRITTEN, None)]:
-                if array is None:  # the bitmap's bytes of these rows
-                    offset, length = first // 8, (rows + 7) // 8
-                    file = WRITTEN
+            for name, array in [*self.maps.items(), (WRITTEN, self.written)]:
+                if name == WRITTEN:  # the bitmap's bytes of these rows
+                    offset, length, file = first // 8, (rows + 7) // 8, WRITTEN
                 else:
                     size = array.itemsize * int(np.prod(array.shape[1:], dtype=np.int64))
                     offset, length, file = first * size, rows * size, f"{name}.bin"
                 # Whole pages: the first write to a page needs all of its blocks.
                 end = min(-(-(offset + length) // mmap.PAGESIZE) * mmap.PAGESIZE,
-                          (self.path / file).stat().st_size)
+                          array.nbytes)
                 offset = offset // mmap.PAGESIZE * mmap.PAGESIZE
                 self._fallocate(file, offset, end - offset)
             self._reserved[chunk] = True
