@@ -57,12 +57,9 @@ class RowCache:
         self.last = np.zeros((self.sets, self.ways), np.int64)
         self.data = {name: np.zeros((entries,) + col.tail, files.maps[name].dtype)
                      for name, col in files.columns.items()}
-        self.row_bytes = sum(int(np.prod(col.tail, dtype=np.int64)) * a.itemsize
-                             for (name, col), a in zip(files.columns.items(),
-                                                       files.maps.values()))
         self.tick = 0
         self.lock = threading.RLock()
-        self.stats = {"hits": 0, "misses": 0, "rows_read": 0, "rows_written": 0}
+        self.stats = {"hits": 0, "misses": 0}
 
     @property
     def capacity(self):
@@ -111,10 +108,9 @@ class RowCache:
             self.stats["misses"] += int(missed.size)
             if missed.size:
                 fetched = self.files.read(ids[missed])
-                self.stats["rows_read"] += int(self.files.is_written(ids[missed]).sum())
                 for name in out:
                     out[name][missed] = fetched[name]
-                self._insert(ids[missed], fetched, dirty=False)
+                self._insert(ids[missed], sets[missed], fetched, dirty=False)
             return out
 
     def write(self, ids, values):
@@ -133,17 +129,17 @@ class RowCache:
             self._touch(sets[hit], ways[hit])
             missed = np.flatnonzero(~hit)
             if missed.size:
-                self._insert(ids[missed], {n: np.asarray(v)[missed] for n, v in values.items()},
-                             dirty=True)
+                self._insert(ids[missed], sets[missed],
+                             {n: np.asarray(v)[missed] for n, v in values.items()}, dirty=True)
 
-    def _insert(self, ids, values, dirty):
-        """Caches distinct uncached `ids` with `values`, evicting (and writing back) others.
+    def _insert(self, ids, sets, values, dirty):
+        """Caches distinct uncached `ids` (in `sets`) with `values`, evicting (and writing
+        back) others.
 
         A set receives one id per round, so the victims of a round are
         distinct entries; where more ids than ways fall in one set, later
         ones evict earlier ones (written back if dirty: nothing is lost).
         """
-        sets = self.set_of(ids)
         order = np.argsort(sets, kind="stable")
         # Rank of each id among those of its set: round k holds the k-th.
         sorted_sets = sets[order]
@@ -178,7 +174,6 @@ class RowCache:
         slots = s * self.ways + w
         self.files.write(self.tags[s, w], {n: a[slots] for n, a in self.data.items()})
         self.dirty[s, w] = False
-        self.stats["rows_written"] += int(dirty.sum())
 
     def flush(self):
         """Writes every dirty row to the files, and the files to disk."""
@@ -188,11 +183,10 @@ class RowCache:
             self.files.flush()
 
     def health(self):
-        """Counts so far: hits, misses, hit rate, rows and bytes read from and written to disk."""
+        """Counts so far: hits, misses, hit rate, and the files' rows and bytes read and
+        written (`RowFiles.counts`)."""
         with self.lock:
-            stats = dict(self.stats)
+            stats = {**self.stats, **self.files.counts()}
         looked = stats["hits"] + stats["misses"]
         stats["hit_rate"] = stats["hits"] / looked if looked else None
-        stats["bytes_read"] = stats["rows_read"] * self.row_bytes
-        stats["bytes_written"] = stats["rows_written"] * self.row_bytes
         return stats

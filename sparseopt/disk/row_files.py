@@ -82,6 +82,10 @@ class RowFiles:
         chunks = (self.num_rows + CHUNK_ROWS - 1) // CHUNK_ROWS
         self._reserved = np.zeros((chunks,), bool)  # chunks reserved in this process
         self._inode = os.stat(self.path / WRITTEN).st_ino
+        # Rows read from the files (never-written rows are drawn, not read) and written.
+        self.rows_read = self.rows_written = 0
+        self.row_bytes = sum(a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
+                             for a in self.maps.values())
 
     def _check_or_write(self, meta, layout):
         """Whether the folder already holds this table (every file, at its size).
@@ -135,6 +139,7 @@ class RowFiles:
         never written, cast to the column's dtype)."""
         ids = self.check_ids(ids)
         fresh = ~self.is_written(ids)
+        self.rows_read += int(ids.size - fresh.sum())
         out = {}
         for name, col in self.columns.items():
             values = np.array(self.maps[name][ids])
@@ -163,6 +168,13 @@ class RowFiles:
             self.maps[name][ids] = values[name]
         np.bitwise_or.at(self.written, ids >> 3,
                          np.left_shift(1, ids & 7).astype(np.uint8))
+        self.rows_written += int(ids.size)
+
+    def counts(self):
+        """Rows and bytes read from the files (rows ever written only) and written to them."""
+        return {"rows_read": self.rows_read, "rows_written": self.rows_written,
+                "bytes_read": self.rows_read * self.row_bytes,
+                "bytes_written": self.rows_written * self.row_bytes}
 
     def _reserve(self, ids):
         chunks = np.unique(ids // CHUNK_ROWS)
