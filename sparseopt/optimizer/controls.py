@@ -10,7 +10,6 @@ read it; `exclude_from_weight_decay` for dense variables and tables alike.
 import keras
 from keras import ops
 
-from sparseopt import backend
 
 
 class Controls:

@@ -273,8 +273,7 @@ class Updater(Settings):
         `tf_kernel()` where no option is set and the updater is lazy: kernels
         know the bare rule only.
         """
-        if (self.transforms or self.tracks_rows or self.scheduled or self.swa
-                or self.lookahead):
+        if self.transforms or self.wrappers or self.scheduled:
             return None
         return self.tf_kernel()
 

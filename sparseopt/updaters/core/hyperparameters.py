@@ -124,7 +124,3 @@ class Values(collections.abc.Mapping):
     def at(self, step):
         """The same values for another `step` (None: steps a row missed)."""
         return Values(self._values, step)
-
-    def replace(self, **values):
-        """The same with some values replaced."""
-        return Values({**self._values, **values}, self.step)

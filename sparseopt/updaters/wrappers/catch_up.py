@@ -192,9 +192,7 @@ class CatchUp:
         def step(rows, state, grads, hp):
             now = ops.cast(hp.step, "int32")
             last = state[LAST_STEP_SLOT]
-            rows, own = updater.missed_steps(
-                rows, without(state, (LAST_STEP_SLOT,)), ops.maximum(now - 1 - last, 0),
-                decay_per_step(updater, hp), hp.at(None))
+            rows, own = self._missed(updater, rows, state, now - 1, hp)
             new_rows, new_state = rule(rows, own, grads, hp)
             return new_rows, {**new_state, LAST_STEP_SLOT: ops.full(ops.shape(last), now, "int32")}
 
@@ -209,11 +207,16 @@ class CatchUp:
             hp: the last step's hyperparameters.
         """
         last = state[LAST_STEP_SLOT]
-        rows, own = updater.missed_steps(
-            rows, without(state, (LAST_STEP_SLOT,)),
-            ops.maximum(ops.cast(steps_done, "int32") - last, 0), decay_per_step(updater, hp),
-            hp.at(None))
+        rows, own = self._missed(updater, rows, state, ops.cast(steps_done, "int32"), hp)
         return rows, {**own, LAST_STEP_SLOT: ops.full(ops.shape(last), steps_done, "int32")}
+
+    @staticmethod
+    def _missed(updater, rows, state, until, hp):
+        """`(rows, state without last_step)` after each row's steps after its last one up
+        to step `until` (the rule's `missed_steps`)."""
+        missed = ops.maximum(until - state[LAST_STEP_SLOT], 0)
+        return updater.missed_steps(rows, without(state, (LAST_STEP_SLOT,)), missed,
+                                    decay_per_step(updater, hp), hp.at(None))
 
     def end_of_fit(self, updater, storage, steps_done, hp):
         """Every row caught up, written through the table's row storage."""

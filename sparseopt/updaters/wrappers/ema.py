@@ -50,8 +50,7 @@ class MovingAverage:
         def step(rows, state, grads, hp):
             now = ops.cast(hp.step, "int32")
             last = state[LAST_STEP_SLOT]
-            missed = ops.maximum(now - 1 - last, 0)
-            offset = state[EMA_OFFSET_SLOT] * power(self.momentum, missed)[:, None]
+            offset = self._decayed(state, now - 1)
             new_rows, new_state = rule(rows, without(state, (LAST_STEP_SLOT, EMA_OFFSET_SLOT)),
                                        grads, hp)
             m = ops.where(now == 1, 0.0, self.momentum)
@@ -65,15 +64,19 @@ class MovingAverage:
         """`(rows, state)` of the whole table at step `steps_done`: every row's offset
         decayed over the steps it missed (the rows themselves do not move)."""
         last = state[LAST_STEP_SLOT]
-        missed = ops.maximum(ops.cast(steps_done, "int32") - last, 0)
         return rows, {**without(state, (LAST_STEP_SLOT, EMA_OFFSET_SLOT)),
                       LAST_STEP_SLOT: ops.full(ops.shape(last), steps_done, "int32"),
-                      EMA_OFFSET_SLOT: state[EMA_OFFSET_SLOT] * power(self.momentum,
-                                                                      missed)[:, None]}
+                      EMA_OFFSET_SLOT: self._decayed(state, ops.cast(steps_done, "int32"))}
+
+    def _decayed(self, state, until):
+        """Each row's offset decayed over its steps after its last one up to step `until`."""
+        missed = ops.maximum(until - state[LAST_STEP_SLOT], 0)
+        return state[EMA_OFFSET_SLOT] * power(self.momentum, missed)[:, None]
 
     def average(self, updater, storage, steps_done, hp):
         """The table's moving average at `steps_done` (float32 `[V, D]`, nothing written)."""
-        state = {s.name: storage.state_values(s.name) for s in updater.slots}
+        # (Only the two slots the average reads: the rule's own pass through untouched.)
+        state = {n: storage.state_values(n) for n in (LAST_STEP_SLOT, EMA_OFFSET_SLOT)}
         rows, state = self.caught_up(updater, storage.values(), state, steps_done, hp)
         return rows + state[EMA_OFFSET_SLOT]
 

@@ -22,6 +22,7 @@ way; the sync folds the offset back in.
 from keras import ops
 
 from sparseopt.updaters.core.slots import SlotSpec
+from sparseopt.updaters.wrappers.catch_up import without
 
 OFFSET_SLOT = "lookahead_offset"
 
@@ -134,8 +135,7 @@ class Lookahead:
     def around(self, updater, rule):
         """`rule`, then each changed row's offset from its slow copy moved the other way."""
         def run(rows, state, grads, hp):
-            new_rows, new_state = rule(
-                rows, {k: v for k, v in state.items() if k != OFFSET_SLOT}, grads, hp)
+            new_rows, new_state = rule(rows, without(state, (OFFSET_SLOT,)), grads, hp)
             return new_rows, {**new_state,
                               OFFSET_SLOT: offset_after(state[OFFSET_SLOT], rows, new_rows)}
 

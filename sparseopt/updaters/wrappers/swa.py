@@ -25,6 +25,7 @@ move while untouched).
 from keras import ops
 
 from sparseopt.updaters.core.slots import SlotSpec
+from sparseopt.updaters.wrappers.catch_up import without
 
 AVERAGE_SLOT = "swa_average"
 COUNT_SLOT = "swa_count"
@@ -124,9 +125,8 @@ class WeightAverage:
     def around(self, updater, rule):
         """`rule`, then each changed row's average brought up to this step's snapshot."""
         def run(rows, state, grads, hp):
-            new_rows, new_state = rule(
-                rows, {k: v for k, v in state.items() if k not in (AVERAGE_SLOT, COUNT_SLOT)},
-                grads, hp)
+            new_rows, new_state = rule(rows, without(state, (AVERAGE_SLOT, COUNT_SLOT)),
+                                       grads, hp)
             average, count = step(state[AVERAGE_SLOT], state[COUNT_SLOT], rows, new_rows,
                                   hp.step, self.start, self.period)
             return new_rows, {**new_state, AVERAGE_SLOT: average, COUNT_SLOT: count}
