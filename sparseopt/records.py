@@ -113,17 +113,16 @@ class Stacked:
     """Several tables' steps deduplicated at once (a table group): each table's `Distinct`.
 
     Where the backend gives each table's distinct ids a range of their own
-    in one array (JAX), that array is kept too.
+    in one array (JAX), their summed gradients are kept in one array too.
 
     Args:
         parts: one `Distinct` per table, in the table's own rows.
-        ids: int32, every table's range one after another, or None.
-        grads: float32 `[ids, width]` their summed gradients, or None.
-        counts: int32 `[tables]`, each table's distinct ids, or None.
+        grads: float32 `[ids, width]` every table's summed gradients one after
+            another, or None.
     """
 
-    def __init__(self, parts, ids=None, grads=None, counts=None):
-        self.parts, self.ids, self.grads, self.counts = list(parts), ids, grads, counts
+    def __init__(self, parts, grads=None):
+        self.parts, self.grads = list(parts), grads
 
     def squared_norm(self):
         """The squared L2 norm of every table's summed gradients (a float32 scalar)."""

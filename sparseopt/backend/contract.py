@@ -64,8 +64,6 @@ CONTRACT = {
     "dedup": "`dedup(record, num_rows, workspace)`: the `Distinct` rows of a `RowGrads` "
              "(gradients of equal ids summed, ids outside `[0, num_rows)` dropped, the `count` "
              "distinct ids first): the pure path, and the reference of any dedup kernel.",
-    "padding_ids": "`padding_ids(num_rows, n)`: `n` ids past a table of `num_rows` rows "
-                   "(distinct where they fit in int32), which gathers clamp and scatters drop.",
     "WORKSPACE": "whether `dedup` needs `workspace`, a persistent int32 variable with one "
                  "entry per row plus `WORKSPACE_SINK`.",
     "WORKSPACE_SINK": "extra workspace entries (TF: one, where invalid ids write).",

@@ -233,7 +233,7 @@ def dedup_tables(records, num_rows, workspace, dedup=None):
     uniq = padding.at[jnp.where(is_first, slot, size)].set(local, mode="drop")
     parts = [Distinct(uniq[a:b], summed[a:b], found[t])
              for t, (a, b) in enumerate(zip(ranges[:-1], ranges[1:]))]
-    return Stacked(parts, uniq, summed, found)
+    return Stacked(parts, grads=summed)
 
 
 def _which(index, starts):

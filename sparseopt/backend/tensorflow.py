@@ -13,7 +13,7 @@ from sparseopt.backend import tensorflow_kernels, tensorflow_native
 from sparseopt.backend.contract import Kernel
 from sparseopt.backend.tensorflow_distinct import (  # noqa: F401 (the contract's)
     WORKSPACE, WORKSPACE_SINK, dedup, dedup_tables, for_distinct_rows, for_listed_rows,
-    padding_ids, sum_over_distinct_rows)
+    sum_over_distinct_rows)
 from sparseopt.backend.tensorflow_replicas import (  # noqa: F401 (the contract's)
     all_replicas, gather_over_replicas, local, replica_context, replica_id, replica_strategy,
     sum_over_replicas)

@@ -141,7 +141,3 @@ def dedup_tables(records, num_rows, workspace, dedup):
 def for_listed_rows(update, variables, ids, count):
     # A gather of the `count` first (a slice would read the whole list first).
     update(variables, tf.gather(local(ids), tf.range(count)))
-
-
-def padding_ids(num_rows, n):
-    return num_rows + tf.range(n, dtype=tf.int32)

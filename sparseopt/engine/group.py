@@ -6,12 +6,9 @@ Tables whose trainers share width, dtype and updater configuration
 keeping its own state, counters and checkpoint entries.
 """
 
-import numpy as np
-from keras import ops
 
 from sparseopt import backend
 from sparseopt.engine import plans
-from sparseopt.updaters.core.transforms import value_at
 
 
 class TableGroup:
@@ -84,37 +81,13 @@ class TableGroup:
             factor: as for `TableTrainer.finish`.
         """
         trainers = prepared.owners
-        values = self.values_at(trainers, iteration, learning_rate_scale)
+        # Each member's own hyperparameters, exactly as it would read them alone.
+        values = [t.values_at(iteration, learning_rate_scale) for t in trainers]
         applied = plans.finish_group(self.updater, [t.row_storage for t in trainers],
                                      prepared, values, iteration + 1, factor)
         for t, trainer in enumerate(trainers):
-            trainer.after_step(None, applied[t], iteration)
-
-    @staticmethod
-    def values_at(trainers, iteration, learning_rate_scale=1.0):
-        """`{name: float32 [members]}`: each member's hyperparameters of the step, stacked.
-
-        Each member reads its own (its updater's variables, or its schedule),
-        as `TableTrainer.values_at` gives them, in one array per name.
-
-        Args:
-            trainers: the members looked up in the step.
-            iteration, learning_rate_scale: as for `TableTrainer.values_at`.
-        """
-        step = iteration + 1
-        updater = trainers[0].updater  # (the members share its configuration)
-        values = {}
-        for name in updater.hyperparameters:
-            values[name] = ops.stack([
-                ops.cast(t.hyperparameters[name].value, "float32") if name in t.hyperparameters
-                else value_at(getattr(t.updater, name), step)
-                for t in trainers])
-        if updater.follow_learning_rate:
-            values["learning_rate"] = values["learning_rate"] * learning_rate_scale
-        if "weight_decay" in values and not all(t.decays for t in trainers):
-            decays = np.asarray([float(t.decays) for t in trainers], "float32")
-            values["weight_decay"] = values["weight_decay"] * decays
-        return values
+            # (Lookahead and open vocabularies never join a group: `group_key`.)
+            trainer.count_skipped(applied[t])
 
 
 def group_trainers(trainers):

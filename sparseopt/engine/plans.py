@@ -210,20 +210,18 @@ def finish_group(updater, storages, prepared, values, step, factor=None):
         updater: the shared `Updater`.
         storages: each member's `RowStorage`, in `prepare_group`'s order.
         prepared: the `PreparedGroup`.
-        values: `{name: float32 [members]}`, each member's hyperparameters.
+        values: one `{name: scalar}` per member, its hyperparameters.
         step: scalar int tensor, the 1-based update count.
         factor: as for `finish`.
 
     Returns:
         A boolean `[members]`: whether each member's update was applied.
     """
-    finite = prepared.finite
-    if factor is not None:
-        finite = ops.logical_and(finite, ops.isfinite(factor))
+    finite = checked(prepared.finite, factor)
     for t, (storage, part, offset) in enumerate(zip(storages, prepared.stacked.parts,
                                                     prepared.offsets)):
         if factor is not None:
             part = part.scaled(factor)
-        update_rows(updater, storage, part, finite[t], {k: v[t] for k, v in values.items()},
-                    step, Context(prepared.record, prepared.workspace, offset))
+        update_rows(updater, storage, part, finite[t], values[t], step,
+                    Context(prepared.record, prepared.workspace, offset))
     return finite

@@ -57,9 +57,9 @@ class Prepared:
         """
         return ops.sum(ops.square(self.global_distinct().grads))
 
-    def context(self, offset=0):
+    def context(self):
         """What the table's storage may read of the step (`Context`)."""
-        return Context(self.record, self.workspace, offset)
+        return Context(self.record, self.workspace, 0)
 
 
 class Context:

@@ -284,7 +284,7 @@ class TableTrainer:
         Lookahead's list of changed rows, an open vocabulary's new rows.
 
         Args:
-            prepared: the step's `stages.Prepared` (None for a group's member).
+            prepared: the step's `stages.Prepared`.
             applied: boolean scalar, whether the step applied.
             iteration: the optimizer's 0-based step count.
         """
@@ -292,8 +292,7 @@ class TableTrainer:
         if self.lookahead is not None:
             self.lookahead.record(prepared.global_distinct(), applied, iteration + 1,
                                   self.table.shape[0])
-        if prepared is not None:
-            self._accept(prepared.record, applied, iteration)
+        self._accept(prepared.record, applied, iteration)
 
     def _accept(self, record, applied, iteration):
         """An open vocabulary's rows given to new ids start afresh (if `applied`)."""

@@ -81,12 +81,6 @@ class Rounding:
         return ops.cast(stochastic_round(values, dtype, bits), dtype)
 
 
-def variable_indices(updater):
-    """`{slot name: variable index}` of `updater`'s state: `1 + i` for its `i`-th
-    slot (the table is 0). Each variable draws its own bits."""
-    return {spec.name: i + 1 for i, spec in enumerate(updater.slots)}
-
-
 def stream_key(seed, table_index, variable_index):
     """The uint32 key of one variable's bits: a Python int."""
     base = _mix_int((int(seed) + _GOLDEN) & 0xFFFFFFFF)

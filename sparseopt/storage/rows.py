@@ -76,11 +76,6 @@ class RowStorage:
         kinds = {spec.name: spec for spec in self.specs}
         return sorted(n for n in self.slots if kinds[n].per_row)
 
-    @property
-    def whole(self):
-        """`{name: variable}` of the whole slots (`"column"`, `"table"`)."""
-        return {s.name: self.slots[s.name] for s in self.specs if not s.per_row}
-
     def variables(self):
         """What a step writes in place: the table, then the per-row slots (`per_row`).
 
