@@ -10,6 +10,7 @@ import keras
 from keras import ops
 
 from sparseopt import compat
+from sparseopt.disk.table import DiskTable
 from sparseopt.optimizer.dispatch import DispatchOptimizer
 from sparseopt.saving import check_one_process, fsync_path
 
@@ -141,7 +142,11 @@ class TableHealth(keras.callbacks.Callback):
       `vocabulary_admitted`, `vocabulary_evicted`, `vocabulary_default_lookups`
       (lookups of ids not held), `vocabulary_found`, `vocabulary_probe_length`,
       `vocabulary_reclaimed` and `vocabulary_unplaced` (`sparseopt.vocabulary.COUNTS`), and
-      `vocabulary_mean_probe_length` (rows read per id found; 1: its home row).
+      `vocabulary_mean_probe_length` (rows read per id found; 1: its home row);
+    - with tables on disk (`storage=OnDisk(...)`), over them and this epoch:
+      `disk_hit_rate` (the share of row lookups their caches held),
+      `disk_kb_read_per_step` and `disk_kb_written_per_step` (their files'
+      bytes, rows and per-row state).
 
     With `warn=True` it also warns, naming each table whose count grew.
 
@@ -164,6 +169,17 @@ class TableHealth(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._steps = 0
         self._applied_before = int(ops.convert_to_numpy(self._dispatch().iterations))
+        self._disk_before = self._disk_counts()
+
+    def _disk_counts(self):
+        """The counts of every table on disk's cache, summed; None without one."""
+        tables = [t.table for t in self._dispatch().table_trainers.values()
+                  if isinstance(t.table, DiskTable)]
+        if not tables:
+            return None
+        stats = [table.health() for table in tables]
+        return {k: sum(s[k] for s in stats)
+                for k in ("hits", "misses", "bytes_read", "bytes_written")}
 
     def on_train_batch_end(self, batch, logs=None):
         self._steps = max(self._steps, batch + 1)  # batch: last index run so far
@@ -183,6 +199,15 @@ class TableHealth(keras.callbacks.Callback):
                 logs[f"vocabulary_{name}"] = sum(s[name] for s in stats)
             logs["vocabulary_mean_probe_length"] = (logs["vocabulary_probe_length"]
                                                     / max(logs["vocabulary_found"], 1))
+        disk = self._disk_counts()
+        if disk is not None:
+            before = self._disk_before or dict.fromkeys(disk, 0)
+            new = {k: disk[k] - before[k] for k in disk}
+            looked = new["hits"] + new["misses"]
+            logs["disk_hit_rate"] = new["hits"] / looked if looked else 0.0
+            steps = max(self._steps, 1)
+            logs["disk_kb_read_per_step"] = new["bytes_read"] / steps / 1024
+            logs["disk_kb_written_per_step"] = new["bytes_written"] / steps / 1024
         scaler = self.model.optimizer
         if isinstance(scaler, keras.optimizers.LossScaleOptimizer):
             applied = int(ops.convert_to_numpy(optimizer.iterations)) - self._applied_before

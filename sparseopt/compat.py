@@ -9,6 +9,7 @@ Checked against: keras 3.15.1, tensorflow 2.21.0, jax 0.10.2, keras-rs 0.4.0
 """
 
 import contextlib
+import re
 import sys
 
 import keras
@@ -99,8 +100,13 @@ def uses_weight_decay(optimizer, variable):
     """Whether `optimizer`'s `exclude_from_weight_decay` rules leave `variable` decayed.
 
     Keras' own test (`Optimizer._use_weight_decay`): the variable is not in
-    the excluded list and no excluded name pattern is found in its name.
+    the excluded list and no excluded name pattern is found in its name. A
+    table that is no variable (on disk) cannot be in the list (Keras keys it
+    by its `tf.Variable` on TF): its name is checked against the patterns.
     """
+    if not isinstance(variable, keras.Variable):
+        pattern = getattr(optimizer, "_exclude_from_weight_decay_pattern", None)
+        return pattern is None or re.search(pattern, variable.name) is None
     return bool(optimizer._use_weight_decay(variable))
 
 

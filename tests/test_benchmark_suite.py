@@ -214,22 +214,39 @@ def test_updaters_benchmark_reports_every_updater_against_sgd_and_fbgemm():
     assert "| plain Keras, dense Adam table | 30.00 (30.0x) | - |" in text
 
 
-@pytest.mark.backend_independent
-def test_disk_cache_benchmark_runs_and_hit_rates_grow_with_the_cache(tmp_path):
-    """A tiny run of benchmarks/disk_cache.py: every cache size measured beside memory."""
+def _tiny_run(tmp_path, script, *args):
+    """`(results, stdout)` of a tiny run of `benchmarks/<script>.py` in a JAX child."""
     import json
     import subprocess
 
     root = pathlib.Path(__file__).resolve().parent.parent
-    out = tmp_path / "disk_cache.json"
+    out = tmp_path / f"{script}.json"
     proc = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "disk_cache.py"), "--rows", "100000",
-         "--batch", "2048", "--steps", "20", "--warmup", "10", "--out", str(out)],
+        [sys.executable, str(root / "benchmarks" / f"{script}.py"), *args, "--out", str(out)],
         env=child_env("jax"), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    results = json.loads(out.read_text())["results"]
+    return json.loads(out.read_text())["results"], proc.stdout
+
+
+@pytest.mark.backend_independent
+def test_disk_cache_benchmark_runs_and_hit_rates_grow_with_the_cache(tmp_path):
+    """A tiny run of benchmarks/disk_cache.py: every cache size measured beside memory."""
+    results, stdout = _tiny_run(tmp_path, "disk_cache", "--rows", "100000", "--batch", "2048",
+                                "--steps", "20", "--warmup", "10")
     assert [r["cache_fraction"] for r in results] == [0.01, 0.05, 0.20]
     assert all(r["memory_ms"] > 0 and r["cache_ms"] > 0 for r in results)
     rates = [r["hit_rate"] for r in results]
     assert 0 < rates[0] < rates[1] < rates[2] <= 1
-    assert "cached / in memory" in proc.stdout
+    assert "cached / in memory" in stdout
+
+
+@pytest.mark.backend_independent
+def test_disk_tables_benchmark_runs_fit_on_disk_beside_memory(tmp_path):
+    """A tiny run of benchmarks/disk_tables.py: the in-memory step and three caches."""
+    results, stdout = _tiny_run(tmp_path, "disk_tables", "--rows", "20000", "--batch", "256",
+                                "--steps", "3", "--warmup", "3")
+    assert [r["table"] for r in results] == ["memory", "disk 1%", "disk 5%", "disk 20%"]
+    assert all(r["step_ms"] > 0 for r in results)
+    rates = [r["hit_rate"] for r in results[1:]]
+    assert 0 < rates[0] < rates[2] <= 1
+    assert (tmp_path / "disk_tables.png").exists() and "step / in memory" in stdout

@@ -64,6 +64,8 @@ CONTRACT = {
     "dedup": "`dedup(record, num_rows, workspace)`: the `Distinct` rows of a `RowGrads` "
              "(gradients of equal ids summed, ids outside `[0, num_rows)` dropped, the `count` "
              "distinct ids first): the pure path, and the reference of any dedup kernel.",
+    "trimmed": "`trimmed(distinct)`: a `Distinct` as `dedup` gives it: its `count` entries "
+               "only where shapes may be dynamic (TF), unchanged (padded) where static (JAX).",
     "WORKSPACE": "whether `dedup` needs `workspace`, a persistent int32 variable with one "
                  "entry per row plus `WORKSPACE_SINK`.",
     "WORKSPACE_SINK": "extra workspace entries (TF: one, where invalid ids write).",
@@ -148,6 +150,16 @@ CONTRACT = {
                      "runs.",
     "after": "`after(done, value)`: `value`, used only once `done` is computed (a check "
              "that must run before a write: TF runs independent ops in any order).",
+    # Tables kept outside the backend's arrays (on disk).
+    "host_read": "`host_read(fn, args, outputs)`: `fn(*arrays)` run on the host (NumPy in, "
+                 "a tuple of arrays out, of `outputs`' `(shape, dtype)`s), in a trace or "
+                 "eagerly; it writes nothing, and runs after every `host_write` before it "
+                 "(TF: in program order; JAX: the writes of earlier steps).",
+    "HOST_CALLS_COMPILE": "whether a step with host calls can still be compiled whole (JAX); "
+                          "where not (TF: XLA has no `numpy_function`), a layer making them "
+                          "says `supports_jit = False`.",
+    "host_write": "`host_write(fn, args)`: `fn(*arrays)` run on the host for its effect, "
+                  "never dropped from a trace, in order with the other host writes.",
     # Building tables.
     "FILLS_IN_BLOCKS": "whether `fill_in_blocks` writes blocks into one buffer in place "
                        "(JAX); where not, it builds the blocks and joins them.",

@@ -18,11 +18,13 @@ import jax
 import jax.numpy as jnp
 
 from sparseopt.backend import jax_native, jax_rows, jax_sharding
+from sparseopt.backend.jax_host import (  # noqa: F401 (the contract's)
+    HOST_CALLS_COMPILE, host_read, host_write)
 from sparseopt.backend.contract import Kernel
 from sparseopt.backend.jax_dedup import first_occurrences, first_true  # noqa: F401
 from sparseopt.backend.jax_distinct import (  # noqa: F401 (the contract's)
     WORKSPACE, WORKSPACE_SINK, dedup, dedup_tables, for_distinct_rows, for_listed_rows,
-    sum_over_distinct_rows)
+    sum_over_distinct_rows, trimmed)
 from sparseopt.backend.jax_rows import bitcast, gather_rows  # noqa: F401 (bitcast: the contract's)
 from sparseopt.backend.jax_writes import scatter, scatter_min, scatter_where  # noqa: F401
 from sparseopt.backend.jax_sharding import ROW_SHARDS, on_row_shards, row_shards  # noqa: F401

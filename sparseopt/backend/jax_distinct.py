@@ -63,6 +63,11 @@ def dedup(record, num_rows, workspace):
     return Distinct(uniq, summed, count)
 
 
+def trimmed(distinct):
+    """`distinct` as the step works on it: padded to its static size (JAX's shapes are)."""
+    return distinct
+
+
 # Distinct rows handled per pass: gather, rule and scatter work on
 # `DISTINCT_CHUNK` rows at a time, as many passes as the step has distinct
 # ids, never on the (often many more) padding entries after them.

@@ -52,14 +52,20 @@ def dedup(record, num_rows, workspace):
     else:
         run = _dedup_rows if few else _compiled_dedup_rows
         uniq, summed, count = run(ids, representative, num_rows, grads)
+    return trimmed(Distinct(uniq[:-1], summed, count))
+
+
+def trimmed(distinct):
+    """`distinct` with its `count` first entries only (what the step works on)."""
+    count = distinct.count
     if compat.in_xla_context():
         # Inside an XLA cluster, slicing at a computed bound does not compile
         # (and boolean_mask returned wrong rows, TF 2.21); dynamic_partition
         # selects correctly in both modes.
-        first = tf.cast(tf.range(tf.shape(summed)[0]) < count, tf.int32)
-        return Distinct(tf.dynamic_partition(uniq[:-1], first, 2)[1],
-                        tf.dynamic_partition(summed, first, 2)[1], count)
-    return Distinct(uniq[:count], summed[:count], count)
+        first = tf.cast(tf.range(tf.shape(distinct.grads)[0]) < count, tf.int32)
+        return Distinct(tf.dynamic_partition(distinct.ids, first, 2)[1],
+                        tf.dynamic_partition(distinct.grads, first, 2)[1], count)
+    return Distinct(distinct.ids[:count], distinct.grads[:count], count)
 
 
 # Dedups of fewer ids than this (known when traced) run op by op.

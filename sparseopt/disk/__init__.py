@@ -1,7 +1,9 @@
 """Tables larger than memory: rows and their optimizer state in files, hot rows cached.
 
-In progress (issue 48). What is here is the host side of a table on disk,
-usable on its own but not yet from a layer:
+In progress (issue 48). A `SparseEmbedding` given `storage=OnDisk(...)`
+(`sparseopt.storage.on_disk`) holds a `table.DiskTable` instead of a
+variable; the row-storage kind `sparseopt.storage.disk_rows.DiskRows` reads
+and writes a step's rows through it. The modules:
 
 - `initial_rows.py`: the rows a table starts with, drawn lazily and
   reproducibly per row (a counter-based hash of seed, row and column), so a
@@ -10,9 +12,10 @@ usable on its own but not yet from a layer:
   memory-mapped files, allocated on disk a chunk at a time as rows are first
   written (a full disk is an error naming the table, never a crash);
 - `row_cache.py`: `RowCache`, a set-associative write-back cache of rows and
-  their state in memory, LRU or LFU, with hit and byte counts.
+  their state in memory, LRU or LFU, with hit and byte counts;
+- `table.py`: `DiskTable`, the files and cache of one table as a layer holds
+  it, read and written from traced code through the backend's host calls.
 
-Next: a row-storage kind (`sparseopt.storage`) that reads and writes a
-step's distinct rows through the cache from inside the traced step, a
-prefetch stage, consistent snapshots for saves, and both backends.
+Next: a native cache and a prefetch stage, consistent snapshots for saves,
+sharding and open vocabularies.
 """

@@ -113,6 +113,18 @@ class RowCache:
                 self._insert(ids[missed], sets[missed], fetched, dirty=False)
             return out
 
+    def peek(self, ids):
+        """`{column: values [M, *tail]}` of rows `ids` as they are now (cached or in the
+        files), changing nothing: no row is cached or evicted, nothing counted."""
+        ids = self.files.check_ids(ids)
+        with self.lock:
+            out = self.files.read(ids, counted=False)
+            sets, ways, hit = self._find(ids)
+            slots = sets[hit] * self.ways + ways[hit]
+            for name, array in self.data.items():
+                out[name][hit] = array[slots]
+            return out
+
     def write(self, ids, values):
         """Writes `values` (`{column: [M, *tail]}`, every column) of distinct rows `ids`.
 

@@ -134,12 +134,19 @@ class RowFiles:
         ids = np.asarray(ids, np.int64)
         return (self.written[ids >> 3] >> (ids & 7).astype(np.uint8)) & 1 == 1
 
-    def read(self, ids):
+    def read(self, ids, counted=True):
         """`{column: values [M, *tail]}` of rows `ids`, as stored (their initial values where
-        never written, cast to the column's dtype)."""
+        never written, cast to the column's dtype).
+
+        Args:
+            ids: int rows.
+            counted: whether the read counts in `counts()` (False: a look that
+                is not the table's training, e.g. `RowCache.peek`).
+        """
         ids = self.check_ids(ids)
         fresh = ~self.is_written(ids)
-        self.rows_read += int(ids.size - fresh.sum())
+        if counted:
+            self.rows_read += int(ids.size - fresh.sum())
         out = {}
         for name, col in self.columns.items():
             values = np.array(self.maps[name][ids])

@@ -24,7 +24,7 @@ from keras import ops
 
 from sparseopt import backend
 from sparseopt.engine.stages import (
-    Context, checked, distinct, prepare, update_rows, update_whole)
+    Context, checked, distinct, distinct_by_hash, prepare, update_rows, update_whole)
 from sparseopt.records import BagGrads, Distinct, RowGrads
 
 # A group's shifted ids are int32 (JAX without x64 has no int64): its tables
@@ -98,34 +98,6 @@ def _at_once_by_hash(updater, storage, prepared, values, step, factor, finite):
     update_rows(updater, storage, found, finite, values, step,
                 Context(prepared.record, None, positions=positions))
     return finite
-
-
-def distinct_by_hash(record, num_rows):
-    """`(Distinct, positions)` of `record` without a workspace: the distinct valid ids
-    in order of first occurrence (then padding ids past the table), their summed
-    gradients, and where in the record each first occurs.
-
-    Args:
-        record: the step's float32 `RowGrads`.
-        num_rows: the table's rows.
-    """
-    ids = ops.cast(ops.reshape(record.ids, (-1,)), "int32")
-    n = ids.shape[0]
-    valid = ops.logical_and(ops.greater_equal(ids, 0), ops.less(ids, num_rows))
-    first = backend.first_occurrences(ops.zeros_like(ids), ids, valid)
-    position = ops.arange(n, dtype="int32")
-    is_first = ops.logical_and(valid, ops.equal(first, position))
-    slot = ops.cumsum(ops.cast(is_first, "int32")) - 1
-    count = ops.sum(ops.cast(is_first, "int32"))
-    size = min(n, num_rows)
-    # Entries past `size` (invalid ids, and later occurrences' own slots) are cut off.
-    segment = ops.where(valid, ops.take(slot, first), size)
-    summed = ops.segment_sum(record.rows(), segment, num_segments=size + 1)[:size]
-    at = ops.expand_dims(ops.where(is_first, slot, size), 1)
-    padding = ops.arange(num_rows, num_rows + size + 1, dtype="int32")
-    uniq = ops.scatter_update(padding, at, ids)[:size]
-    positions = ops.scatter_update(ops.zeros((size + 1,), "int32"), at, position)[:size]
-    return Distinct(uniq, summed, count), positions
 
 
 class PreparedGroup:

@@ -16,6 +16,7 @@ from keras import ops
 
 from sparseopt import backend
 from sparseopt.engine import kernels
+from sparseopt.records import Distinct
 from sparseopt.updaters.core import transforms
 from sparseopt.updaters.core.hyperparameters import Values
 
@@ -109,11 +110,57 @@ def prepare(record, num_rows, workspace=None, split=False):
 
 
 def distinct(record, num_rows, workspace):
-    """Stage 2: the `Distinct` rows of `record` (by a native kernel where one applies)."""
+    """Stage 2: the `Distinct` rows of `record` (by a native kernel where one applies).
+
+    A table without a workspace where the backend's dedup needs one (a table on
+    disk, whose one entry per row would take memory in proportion to the
+    table) is deduplicated by a hash of the step's ids (`distinct_by_hash`).
+    """
+    if workspace is None and backend.WORKSPACE:
+        return distinct_by_hash(record, num_rows)[0]
     kernel = kernels.find(("distinct",), record=record, workspace=workspace)
     if kernel is not None:
         return kernel.run(record, num_rows, workspace)
     return backend.dedup(record, num_rows, workspace)
+
+
+def distinct_by_hash(record, num_rows):
+    """`(Distinct, positions)` of `record` without a workspace: the distinct valid ids,
+    their summed gradients, and where in the record each last occurs.
+
+    The same `Distinct` as the workspace dedups give (`backend.dedup` and its
+    kernels), bit for bit: ids numbered in the order of their last
+    occurrence, gradients added in occurrence order from +0.0, the padding
+    ids past the table after them (TF: only the `count` distinct entries).
+    The order matters beyond tidiness: TF's vectorized kernels may compute a
+    value in its last bit differently at another position in a tensor.
+
+    Args:
+        record: the step's float32 `RowGrads`.
+        num_rows: the table's rows.
+    """
+    ids = ops.cast(ops.reshape(record.ids, (-1,)), "int32")
+    n = ids.shape[0] if ids.shape[0] is not None else ops.shape(ids)[0]
+    valid = ops.logical_and(ops.greater_equal(ids, 0), ops.less(ids, num_rows))
+    # Each id's last occurrence: its first one in the ids reversed.
+    backwards = backend.first_occurrences(ops.zeros_like(ids), ops.flip(ids, 0),
+                                          ops.flip(valid, 0))
+    last = (n - 1) - ops.flip(backwards, 0)
+    position = ops.arange(n, dtype="int32")
+    is_last = ops.logical_and(valid, ops.equal(last, position))
+    slot = ops.cumsum(ops.cast(is_last, "int32")) - 1
+    count = ops.sum(ops.cast(is_last, "int32"))
+    size = min(n, num_rows) if isinstance(n, int) else ops.minimum(n, num_rows)
+    # Entries past `size` (invalid ids, and earlier occurrences' own slots) are cut off.
+    segment = ops.where(valid, ops.take(slot, ops.where(valid, last, 0)), size)
+    summed = ops.segment_sum(record.rows(), segment, num_segments=size + 1)[:size]
+    # (A lone -0.0 sums to +0.0, as the workspace dedups' sums do.)
+    summed = ops.where(ops.equal(summed, 0.0), ops.zeros((), summed.dtype), summed)
+    at = ops.expand_dims(ops.where(is_last, slot, size), 1)
+    padding = ops.arange(num_rows, num_rows + size + 1, dtype="int32")
+    uniq = ops.scatter_update(padding, at, ids)[:size]
+    positions = ops.scatter_update(ops.zeros((size + 1,), "int32"), at, position)[:size]
+    return backend.trimmed(Distinct(uniq, summed, count)), positions
 
 
 def checked(finite, factor):
@@ -158,8 +205,9 @@ def update_rows(updater, storage, found, finite, values, step, context=None, who
         new_rows, new_state = backend.materialize((new_rows, new_state))
         view.write(ids, new_rows, new_state, step, count)
 
-    if storage.reads_lookups:
-        # (All at once: its rows come from the step, not from variables a loop carries.)
+    if storage.at_once:
+        # (All at once: its rows come from the step or the host, not from
+        # variables a loop carries.)
         update(None, found.ids, found.grads)
         return
     # Only the step's distinct rows: work follows them, not the batch.

@@ -126,6 +126,7 @@ class TableTrainer:
                 "outside the rule when it gives a row to a new id. Use lazy=True on a "
                 "DynamicEmbedding.")
         kind = kind_for(self.storage, self.int8 is not None)  # (a kind nobody registered)
+        kind.check(self.updater, self.table, self.vocabulary)
         for wrapper in self.updater.wrappers:  # what a wrapper needs of the rows' storage
             check_storage = getattr(wrapper, "check_storage", None)
             if check_storage is not None:
@@ -165,7 +166,7 @@ class TableTrainer:
         self.row_storage.build(optimizer, prefix, initializer_of, layout_of)
         self.skipped = optimizer.add_variable(
             shape=(), dtype="int32", initializer="zeros", name=f"{prefix}_skipped_steps")
-        if backend.WORKSPACE and workspace:
+        if backend.WORKSPACE and workspace and kind.uses_workspace:
             # One per table, so that the tables' updates stay independent.
             self.workspace = optimizer.add_variable(
                 shape=(table.shape[0] + backend.WORKSPACE_SINK,), dtype="int32",
@@ -365,7 +366,8 @@ class TableTrainer:
 
     def end_of_fit(self, steps_done, learning_rate_scale=1.0):
         """Each wrapper's end of `fit`, in order (every row caught up; the table takes its
-        moving or weight average), then an int8 table's last buffered rows written.
+        moving or weight average), then the row storage's (`RowStorage.end_of_fit`: an
+        int8 table's last buffered rows written, a table on disk's cache flushed).
 
         Args:
             steps_done, learning_rate_scale: as for `catch_up`.
@@ -373,8 +375,7 @@ class TableTrainer:
         hp = self._last_values(steps_done, learning_rate_scale)
         for wrapper in self.updater.wrappers:
             wrapper.end_of_fit(self.updater, self.row_storage, steps_done, hp)
-        if self.int8 is not None:
-            self.int8.flush()
+        self.row_storage.end_of_fit()
 
     def moving_average(self, steps_done, learning_rate_scale=1.0):
         """The table's moving average at `steps_done` (`ema_momentum` only), a tensor."""
@@ -405,7 +406,8 @@ class TableTrainer:
         laid out by its own sharding.
         """
         if (compat.layout_of(self.table) is not None or self.vocabulary is not None
-                or self.updater.lookahead is not None):
+                or self.updater.lookahead is not None
+                or not kind_for(self.storage, self.int8 is not None).groups):
             # (An open vocabulary's step and Lookahead's window continue after the rule.)
             return None
         updater = self.updater

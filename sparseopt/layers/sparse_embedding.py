@@ -6,12 +6,19 @@ import numpy as np
 from sparseopt import backend, compat
 from sparseopt import storage as storage_lib
 from sparseopt import updaters as updaters_lib
+from sparseopt.disk.table import DiskTable
 from sparseopt.distribution import check_even_split
 from sparseopt.storage.block_init import add_table
 from sparseopt.storage.int8_table import Int8Table
 from sparseopt.ops.lookup import PlainOptimizerGuard, SparseLookup, check_ids_dtype, layer_state
 
 COMBINERS = (None, "sum", "mean")
+
+_NOT_SAVED = (
+    "Layer '{name}': table '{path}' is on disk (storage=OnDisk): weights files and "
+    "`model.save` do not hold it yet. Its rows and state are in '{folder}': call "
+    "`layer.flush()` and copy that folder, and save the rest of the model without this "
+    "layer.")
 
 # keras.layers.Embedding options that have no sparse meaning, and the fix.
 _REFUSED = {
@@ -55,7 +62,11 @@ class SparseEmbedding(keras.layers.Layer):
             and 8-bit values (`sparseopt.TableStorage(state_dtype=...,
             stochastic_rounding=..., rounding_seed=...)`); None: the
             defaults (float32 state, stochastic rounding, seed 0), or the
-            updater's own settings.
+            updater's own settings. `sparseopt.storage.OnDisk(path,
+            cache_rows=...)` keeps the table and its per-row state in files
+            under `path`, with `cache_rows` rows in memory: the layer then
+            holds no `[V, D]` variable (`embeddings` is a
+            `sparseopt.disk.table.DiskTable`; see docs/disk.md).
         rows_per_step: int8 tables only: the most distinct rows one step may
             update (the size of the buffer that carries a step's writes to
             the table, `sparseopt.storage.int8_table`); None: `min(input_dim, 16384)`.
@@ -112,7 +123,11 @@ class SparseEmbedding(keras.layers.Layer):
 
     def build(self, input_shape=None):
         shape = (self.input_dim, self.output_dim)
-        check_even_split(self.name, f"{compat.current_path()}/embeddings".lstrip("/"), shape)
+        path = f"{compat.current_path()}/embeddings".lstrip("/")
+        check_even_split(self.name, path, shape)
+        if getattr(self.storage, "kind", None) == "disk":
+            self._build_on_disk(path, shape)
+            return
         if self.int8 is not None:
             self.int8.build(self, shape, self.embeddings_initializer, self._add_int8_state)
             self.embeddings, self.embeddings_scale = self.int8.codes, self.int8.scale
@@ -130,6 +145,39 @@ class SparseEmbedding(keras.layers.Layer):
             autocast=False,  # never cast the whole table; the lookup casts rows
         )
         self._lookup = self._make_lookup()
+
+    def _build_on_disk(self, path, shape):
+        """The table in files (`sparseopt.disk`): rows and each per-row slot of the updater."""
+        if self.int8 is not None:
+            raise ValueError(f"SparseEmbedding '{self.name}': an int8 table on disk is not "
+                             "supported yet; use dtype float32, bfloat16 or float16.")
+        if keras.distribution.distribution() is not None:
+            raise ValueError(f"SparseEmbedding '{self.name}': a table on disk under a "
+                             "keras.distribution (tables split or replicated over devices) is "
+                             "not supported yet; build it outside the distribution's scope.")
+        settings = storage_lib.of_table(self.storage, self.updater, path)
+        self.embeddings = DiskTable(path, shape, self.variable_dtype,
+                                    self.embeddings_initializer,
+                                    [s for s in self.updater.slots if s.per_row], settings)
+        if not backend.HOST_CALLS_COMPILE:
+            self.supports_jit = False  # (Keras' jit_compile="auto" then leaves XLA out)
+        self._lookup = self._make_lookup()
+
+    def flush(self):
+        """A table on disk: writes its cached rows to its files, and the files to disk.
+
+        `fit` does at its end; call it before copying the folder. Nothing to
+        do for a table in memory.
+        """
+        if isinstance(self.embeddings, DiskTable):
+            self.embeddings.flush()
+
+    def disk_stats(self):
+        """A table on disk: its cache's counts so far (hits, misses, hit rate, rows and
+        bytes read from and written to its files); None for a table in memory."""
+        if isinstance(self.embeddings, DiskTable):
+            return self.embeddings.health()
+        return None
 
     def _make_lookup(self, **kwargs):
         """The table's `SparseLookup` (a subclass adds what its lookup reads)."""
@@ -190,6 +238,9 @@ class SparseEmbedding(keras.layers.Layer):
                 self.int8.flush()
             store["0"], store["1"] = self.embeddings, self.embeddings_scale
             return
+        if isinstance(self.embeddings, DiskTable):
+            raise ValueError(_NOT_SAVED.format(name=self.name, path=self.embeddings.path,
+                                               folder=self.storage.path))
         store["0"] = self.embeddings
 
     def load_own_variables(self, store):
@@ -201,6 +252,9 @@ class SparseEmbedding(keras.layers.Layer):
         if self.int8 is not None:
             self._load_int8(store)
             return
+        if isinstance(self.embeddings, DiskTable):
+            raise ValueError(_NOT_SAVED.format(name=self.name, path=self.embeddings.path,
+                                               folder=self.storage.path))
         legacy = len(store.keys()) == 3 and tuple(store["1"].shape) == ()
         if len(store.keys()) != 1 and not legacy:
             raise ValueError(
@@ -237,6 +291,10 @@ class SparseEmbedding(keras.layers.Layer):
             "updater": keras.saving.serialize_keras_object(self.updater),
             "embeddings_initializer": keras.initializers.serialize(self.embeddings_initializer),
             "combiner": self.combiner,
-            # Only where given: configs without it load as before.
-            **({"storage": self.storage.get_config()} if self.storage is not None else {}),
+            # Only where given: configs without it load as before. A subclass
+            # (OnDisk) with its class, so that it loads as itself.
+            **({"storage": self.storage.get_config()
+                if type(self.storage) is storage_lib.TableStorage
+                else keras.saving.serialize_keras_object(self.storage)}
+               if self.storage is not None else {}),
         }

@@ -9,6 +9,7 @@ from keras import ops
 
 from sparseopt import backend, compat
 from sparseopt import storage as storage_lib
+from sparseopt.disk.table import DiskTable
 from sparseopt.records import BagGrads, RowGrads
 
 
@@ -80,6 +81,8 @@ class SparseLookup:
             )
         self.table = table
         self.int8 = int8
+        # A table on disk (`sparseopt.disk.table.DiskTable`): read through its cache.
+        self.on_disk = isinstance(table, DiskTable)
         self.storage = storage_lib.from_argument(storage, f"SparseLookup of '{table.path}'")
         base = table.name.replace("/", "_")
         self.num_dropped_ids = layer_state(layer, f"{base}_dropped_ids", "int32", False)
@@ -116,6 +119,12 @@ class SparseLookup:
     def layer(self):
         """The layer that owns the table (None once it is deleted)."""
         return self._layer()
+
+    @property
+    def beside_variables(self):
+        """Whether the table is trained but is no trainable variable (an int8 table's
+        codes, a table on disk): the optimizer reaches it through the probe."""
+        return self.int8 is not None or self.on_disk
 
     def take_row_gradients(self):
         """The row gradients recorded since the last call, and forgets them.
@@ -202,10 +211,11 @@ class SparseLookup:
         Returns:
             `[..., width]` in the layer's compute dtype.
         """
-        if compat.layout_of(self.table) is not None or self.int8 is not None:
+        if compat.layout_of(self.table) is not None or self.int8 is not None or self.on_disk:
             # Placed by a keras.distribution: read id by id, so that what
             # crosses devices stays what the sharded update path expects.
-            # (int8: each id's row must travel with its gradient.)
+            # (int8: each id's row must travel with its gradient; on disk:
+            # the rows come from the host, read id by id.)
             rows = self(ids, changed=changed)
             weight = ops.cast(self.valid(ids), rows.dtype)
             if combiner == "mean":
@@ -259,6 +269,8 @@ class SparseLookup:
         """The rows `safe_ids` as stored (float32 for an int8 table)."""
         if self.int8 is not None:
             return self.int8.read(safe_ids)
+        if self.on_disk:
+            return self.table.read(safe_ids)[0]
         with compat.read_as_stored():
             return backend.read_rows(self.table, safe_ids)
 

@@ -5,8 +5,9 @@ that layers declare (`variable_path_to_optimizer_map`) are reached three ways:
 
 - through the table: a table read by a `sparseopt.ops.SparseLookup` knows
   its lookup, and the lookup keeps a weak reference to its layer;
-- through the probe of an int8 table's lookup (`int8_tables`): such a table is
-  not a trainable variable, so it is not among those handed over;
+- through the probe of the lookup of a table that is no trainable variable
+  (`tables_beside`: an int8 table, a table on disk), which is not among
+  those handed over;
 - through the model being trained (`compat.model_building`): its layers,
   which is also where keras-rs `DistributedEmbedding` tables are found, and
   where a layer that declares an updater for a table it reads densely is
@@ -74,6 +75,10 @@ def _declared_by(layer):
         return []
     declared = layer.variable_path_to_optimizer_map or {}
     by_path = {v.path: v for v in layer.variables}
+    for v in layer.variables:  # tables that are no variables, through their probes
+        lookup = getattr(v, "_sparseopt_probe_of", None)
+        if lookup is not None and lookup.beside_variables:
+            by_path.setdefault(lookup.table.path, lookup.table)
     out = []
     for path, updater in declared.items():
         if path not in by_path:
@@ -86,12 +91,14 @@ def _declared_by(layer):
     return out
 
 
-def int8_tables(variables):
-    """The int8 tables read by the lookups whose probes are among `variables`.
+def tables_beside(variables):
+    """The tables that are no trainable variables, read by the lookups whose probes are
+    among `variables`.
 
     An int8 table is layer state, not a trainable variable (JAX differentiates
-    no integer array), so an optimizer is not handed it; its lookup's probe
-    is, and leads to it.
+    no integer array); a table on disk is no variable at all
+    (`sparseopt.disk.table.DiskTable`). An optimizer is not handed either;
+    its lookup's probe is, and leads to it.
 
     Args:
         variables: the trainable variables an optimizer is being built for.
@@ -100,6 +107,6 @@ def int8_tables(variables):
     found = []
     for var in variables:
         lookup = getattr(var, "_sparseopt_probe_of", None)
-        if getattr(lookup, "int8", None) is not None and id(lookup.table) not in given:
+        if getattr(lookup, "beside_variables", False) and id(lookup.table) not in given:
             found.append(lookup.table)
     return found

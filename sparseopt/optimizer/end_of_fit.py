@@ -66,11 +66,13 @@ class EndOfFit:
 
     def finalize_variable_values(self, var_list):
         """Each table's end of `fit` (Keras' hook): its updater's wrappers' (every row
-        caught up; `ema_momentum` and `swa_period` tables take their average), then an
-        int8 table's last buffered rows written (`TableTrainer.end_of_fit`)."""
+        caught up; `ema_momentum` and `swa_period` tables take their average), then its
+        row storage's (an int8 table's last buffered rows written, a table on disk's
+        cache written to its files: `TableTrainer.end_of_fit`)."""
         # Only tables with something to do (a failed first step leaves nothing to read).
         trainers = [t for t in getattr(self, "_trainers", {}).values()
-                    if t.updater.wrappers or t.int8 is not None]
+                    if t.updater.wrappers or (t.row_storage is not None
+                                              and t.row_storage.ends_fit)]
         if trainers:
             steps_done = self._steps_done()
             with backend.outside_trace():

@@ -11,12 +11,13 @@ import weakref
 import keras
 
 from sparseopt import backend, compat
+from sparseopt.disk.table import DiskTable
 from sparseopt.engine import accumulation
 from sparseopt.engine.group import group_trainers
 from sparseopt.engine.trainer import TableTrainer
 from sparseopt.ops.row_sources import LookupRows, SlicedRows
 from sparseopt.optimizer import checks, routing
-from sparseopt.optimizer.discovery import declared_tables, int8_tables
+from sparseopt.optimizer.discovery import declared_tables, tables_beside
 from sparseopt.optimizer.keras_rs_tables import adapt
 
 
@@ -36,6 +37,12 @@ class Routes:
         ref = getattr(self, "_scaling_wrapper", None)
         return ref() if ref is not None else None
 
+    def _var_key(self, variable):
+        """Keras' key of a variable; a table on disk, which is no variable, is its own."""
+        if isinstance(variable, DiskTable):
+            return id(variable)  # (Keras' TF key reads the tf.Variable's id)
+        return super()._var_key(variable)
+
     def build(self, var_list):
         """Routes `var_list` and creates the state of every sparse table.
 
@@ -54,9 +61,9 @@ class Routes:
         self._scaling_wrapper = weakref.ref(wrapper) if wrapper is not None else None
         model = compat.model_building(self)
         self._model = weakref.ref(model) if model is not None else None
-        # int8 tables are not trainable variables (JAX differentiates no integers):
-        # they are reached through their lookups' probes, which are.
-        tables = var_list + int8_tables(var_list)
+        # int8 tables and tables on disk are no trainable variables: they are
+        # reached through their lookups' probes, which are.
+        tables = var_list + tables_beside(var_list)
         declared = declared_tables(tables, model)
         added = {}  # id(table) -> probe made while building (keras-rs tables, JAX)
         self._trainers = {}  # var key -> TableTrainer

@@ -9,7 +9,9 @@ Two things a table has, kept apart:
   how the step's distinct rows and their per-row state are read and
   written back. `memory.py`: variables in memory, float32 or 16-bit
   (`precision.py`); `int8.py`: Keras' int8 `Embedding` format
-  (`quantization.py`, `int8_table.py`). Rules, the step engine and the
+  (`quantization.py`, `int8_table.py`); `disk_rows.py`: files on disk
+  with a cache of hot rows (`on_disk.py`'s `OnDisk` settings,
+  `sparseopt.disk`). Rules, the step engine and the
   dispatcher reach rows only through this interface, so a new kind is a
   new module and a `register` call.
 
@@ -20,3 +22,4 @@ dtypes a table or its state may have.
 from sparseopt.storage.settings import (  # noqa: F401 (the settings' API)
     DEFAULTS, TableStorage, checked, from_argument, of_table)
 from sparseopt.storage.kinds import kind_for, register, registered  # noqa: F401
+from sparseopt.storage.on_disk import OnDisk  # noqa: F401

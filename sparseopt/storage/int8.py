@@ -30,6 +30,7 @@ class Int8Rows(InMemory):
     """An int8 table's rows (read from its lookups, written through its buffer) and state."""
 
     reads_lookups = True
+    at_once = True
 
     def variables(self):
         # The codes are written by the layer (from the buffer), never in a step.
@@ -54,6 +55,11 @@ class Int8Rows(InMemory):
         # The rows given to new ids are written by the layer's next call (the
         # open vocabulary's hand-over), with the state started here.
         super().start(ids, None, keep, step)
+
+    ends_fit = True
+
+    def end_of_fit(self):
+        self.int8.flush()  # (the last step's buffered rows, into the table)
 
     def values(self):
         return self.int8.whole()

@@ -15,7 +15,8 @@ import importlib
 
 # name -> "module:Class" (imported when first asked for) or the class itself.
 _KINDS = {"memory": "sparseopt.storage.memory:InMemory",
-          "int8": "sparseopt.storage.int8:Int8Rows"}
+          "int8": "sparseopt.storage.int8:Int8Rows",
+          "disk": "sparseopt.storage.disk_rows:DiskRows"}
 
 
 def register(name, cls):

@@ -34,6 +34,15 @@ class RowStorage:
 
     # Whether `read` needs the step's context (the rows its lookups read).
     reads_lookups = False
+    # Whether a step reads and writes all of its distinct rows in one call
+    # (never in a loop over chunks that carries `variables()`).
+    at_once = False
+    # Whether the table may be updated in a group with others (`TableGroup`),
+    # which reads and writes its rows through this kind in the group's step.
+    groups = True
+    # Whether the step's dedup may use a workspace of one int32 per row (else a
+    # hash of the step's ids: `sparseopt.engine.stages.distinct`).
+    uses_workspace = True
     # Whether the table and its per-row state are plain variables, read and
     # written by nothing else, so that a native kernel may update them in place
     # instead of `read` and `write`. Declared by each class for itself (a
@@ -44,6 +53,17 @@ class RowStorage:
     def plain(cls):
         """Whether a native kernel may update this kind's variables in place (`_PLAIN`)."""
         return cls.__dict__.get("_PLAIN", False)
+
+    @classmethod
+    def check(cls, updater, table, vocabulary):
+        """Raises where this kind cannot keep `table` trained by `updater` (before any state
+        exists); the base kind refuses nothing.
+
+        Args:
+            updater: the table's `Updater`.
+            table: the table (its variable, or what its layer holds instead).
+            vocabulary: its open vocabulary, or None.
+        """
 
     def __init__(self, table, specs, settings, rounding, int8=None):
         self.table, self.specs, self.settings = table, tuple(specs), settings
@@ -158,6 +178,12 @@ class RowStorage:
         self.write(ids, rows, state, step, keep=keep, rounded=False)
 
     # -- the whole table, between steps ---------------------------------------
+
+    # Whether `end_of_fit` has something to do.
+    ends_fit = False
+
+    def end_of_fit(self):
+        """What the kind does once `fit` ends, after the wrappers' end of `fit`."""
 
     def values(self):
         """float32 `[V, D]`: every row (whole-table work: the end of `fit`, averages)."""

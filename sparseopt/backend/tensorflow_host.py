@@ -1,0 +1,28 @@
+"""TensorFlow: host calls from a traced step, for tables kept in files (`sparseopt.disk`).
+
+Both are stateful `tf.numpy_function`s: a `tf.function` runs every stateful
+op, in program order (automatic control dependencies), so a step's reads
+and writes happen as its code calls them. They cannot be compiled by XLA:
+a layer whose table is on disk says so (`supports_jit = False`), so that
+Keras' `jit_compile="auto"` leaves the step to TensorFlow.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+
+def host_read(fn, args, outputs):
+    out = tf.numpy_function(lambda *a: list(fn(*a)), list(args),
+                            [tf.as_dtype(dtype) for _, dtype in outputs], stateful=True)
+    for value, (shape, _) in zip(out, outputs):
+        value.set_shape(shape)
+    return tuple(out)
+
+
+def host_write(fn, args):
+    def run(*arrays):
+        fn(*arrays)
+        return np.zeros((), np.int32)
+
+    tf.numpy_function(run, list(args), tf.int32, stateful=True)
+HOST_CALLS_COMPILE = False  # (XLA cannot compile a numpy_function)

@@ -1,0 +1,139 @@
+"""Rows on disk: a step reads and writes its distinct rows through the table's cache.
+
+The kind of a table given `storage=OnDisk(...)`: its rows and every
+per-row slot are columns of its files (`sparseopt.disk.table.DiskTable`,
+which its layer holds instead of a variable); whole slots (a column's or
+the table's) are optimizer variables as for any table. A step reads the
+rows and per-row state of its distinct ids from the cache, the rule runs
+in the compiled step as for rows in memory, and the new values (16-bit ones
+rounded by the same bits) are written back to the cache: the same values
+as the in-memory kind's, bit for bit.
+
+What needs every row at once (the end of `fit`'s catch-up and averages, a
+whole slot started from the table) or rows given to new ids (open
+vocabularies) is refused for now, naming the table (`check`).
+"""
+
+from keras import ops
+
+from sparseopt import backend
+from sparseopt.disk.table import ROWS, DiskTable
+from sparseopt.storage.rows import RowStorage
+
+
+class DiskRows(RowStorage):
+    """A table's rows and per-row state in its files, read and written through its cache."""
+
+    # Host calls read and write all of a step's distinct rows at once (never
+    # inside a loop over chunks, which would call the host chunk by chunk).
+    at_once = True
+    groups = False  # (a group's step carries its tables' variables)
+    uses_workspace = False  # (one entry per row: memory in proportion to the table)
+
+    @classmethod
+    def check(cls, updater, table, vocabulary):
+        """Raises where a table on disk cannot be trained as configured (yet).
+
+        Args:
+            updater: the table's `Updater`.
+            table: the table (a `DiskTable` where its layer put it on disk).
+            vocabulary: its open vocabulary, or None.
+        """
+        where = f"Table '{table.path}' (storage=OnDisk)"
+        if not isinstance(table, DiskTable):
+            raise ValueError(f"{where}: only a `sparseopt.layers.SparseEmbedding` keeps its "
+                             "table on disk; this table is a variable in memory.")
+        if updater.wrappers:
+            names = sorted(type(w).__name__ for w in updater.wrappers)
+            raise ValueError(
+                f"{where}: its updater's options {names} (lazy=False, ema_momentum, swa_*, "
+                "lookahead_*) work on every row of the table at the end of fit or at a "
+                "sync, which a table on disk does not support yet. Use them on a table in "
+                "memory, or train this one without them.")
+        if any(s.from_table is not None for s in updater.slots):
+            raise ValueError(f"{where}: {type(updater).__name__} starts its state from every "
+                             "row of the table, which a table on disk does not support yet.")
+        if vocabulary is not None:
+            raise ValueError(f"{where}: an open vocabulary on disk is not supported yet.")
+        if backend.replica_strategy() is not None:
+            raise ValueError(f"{where}: a table on disk under a distribution strategy "
+                             "(each replica a copy of the table) is not supported yet; train "
+                             "it on one device.")
+
+    def build(self, optimizer, prefix, initializer_of, layout_of):
+        # Per-row slots are columns of the table's files (made with the table);
+        # whole slots are variables.
+        for spec in self.specs:
+            if spec.per_row:
+                self._check_column(spec)
+                continue
+            shape = spec.shape(self.table.shape)
+            self.slots[spec.name] = optimizer.add_variable(
+                shape=shape, initializer=initializer_of(spec),
+                dtype=spec.dtype_for(self.settings.state_dtype), name=f"{prefix}_{spec.name}")
+
+    def _check_column(self, spec):
+        column = self.table.columns.get(spec.name)
+        dtype = spec.dtype_for(self.settings.state_dtype)
+        if column is None or column.dtype != dtype \
+                or column.tail != spec.shape(self.table.shape)[1:]:
+            raise ValueError(
+                f"Table '{self.table.path}' (storage=OnDisk): its files have no column for "
+                f"the updater's slot '{spec.name}' ({dtype}); the table's layer made them for "
+                "another updater. Train it with the updater its layer was given.")
+
+    @property
+    def per_row(self):
+        return sorted(spec.name for spec in self.specs if spec.per_row)
+
+    def variables(self):
+        return []  # (nothing in the step's arrays: the rows are on the host)
+
+    def over(self, variables, row_offset=None):
+        raise ValueError(f"Table '{self.table.path}' (storage=OnDisk): a table on disk is "
+                         "not split over devices.")
+
+    def read(self, ids, context=None):
+        names = [ROWS, *self.per_row]
+        values = self.table.read(ids, names)
+        return values[0], dict(zip(self.per_row, values[1:]))
+
+    def write(self, ids, rows, state, step, count=None, keep=None, row_stream=0,
+              rounded=True):
+        values = {}
+        if rows is not None:
+            values[ROWS] = self._stored(rows, ROWS, ids, step, row_stream, rounded)
+        for name, value in state.items():
+            values[name] = self._stored(value, name, ids, step, self.streams[name], rounded)
+        self.table.write(ids, values, count, keep)
+
+    def _stored(self, values, column, ids, step, stream, rounded):
+        """`values` as column `column` keeps them (rounded as a step's 16-bit writes)."""
+        dtype = self.table.columns[column].dtype
+        if rounded:
+            values = self.rounding.stored(values, dtype, step, ids, stream)
+        return ops.cast(values, dtype)
+
+    def start(self, ids, rows, keep, step):
+        raise ValueError(f"Table '{self.table.path}' (storage=OnDisk): rows given to new ids "
+                         "(an open vocabulary) are not supported on disk yet.")
+
+    ends_fit = True
+
+    def end_of_fit(self):
+        self.table.flush()  # (the cache's rows into the files, the files to disk)
+
+    def values(self):
+        raise ValueError(f"Table '{self.table.path}' (storage=OnDisk): whole-table work "
+                         "(every row at once) is not supported on disk.")
+
+    def assign_values(self, values, step):
+        self.values()
+
+    def assign_state(self, name, values, step, rounded=True):
+        self.values()
+
+    def state_values(self, name):
+        if name in self.per_row:
+            self.values()
+        return super().state_values(name)

@@ -1,0 +1,62 @@
+"""`OnDisk`: the settings of a table kept in files on disk, its hot rows cached in memory.
+
+A `TableStorage` whose `kind` is `"disk"` (`sparseopt.storage.disk.DiskRows`):
+the table's rows and every per-row slot of its updater live in files under
+`path` (`sparseopt.disk.row_files`), and memory holds `cache_rows` rows with
+their state (`sparseopt.disk.row_cache`). Given on a `SparseEmbedding`
+(`storage=OnDisk(...)`), which then holds no `[V, D]` variable.
+"""
+
+import dataclasses
+import os
+
+import keras
+
+from sparseopt.disk.row_cache import POLICIES
+from sparseopt.storage.settings import TableStorage
+
+DEFAULT_CACHE_ROWS = 1_000_000
+
+
+@keras.saving.register_keras_serializable(package="sparseopt")
+@dataclasses.dataclass(frozen=True, init=False)
+class OnDisk(TableStorage):
+    """A table's rows and per-row state in files under `path`, `cache_rows` of them in memory.
+
+    Args:
+        path: the table's folder (created if missing; a folder holding this
+            table's files is reopened, one holding another table's is refused).
+        cache_rows: how many rows, with their state, memory holds (rounded
+            down to whole sets of 8).
+        policy: which cached row a full set evicts: `"lru"` (used longest
+            ago) or `"lfu"` (used least often since cached).
+        state_dtype, stochastic_rounding, rounding_seed: as for `TableStorage`.
+    """
+
+    path: str = None
+    cache_rows: int = DEFAULT_CACHE_ROWS
+    policy: str = "lru"
+
+    kind = "disk"
+
+    def __init__(self, path, cache_rows=DEFAULT_CACHE_ROWS, policy="lru", *,
+                 state_dtype="float32", stochastic_rounding=True, rounding_seed=0):
+        # (Written out: the folder comes first, before the inherited settings.)
+        given = dict(path=path, cache_rows=cache_rows, policy=policy, state_dtype=state_dtype,
+                     stochastic_rounding=stochastic_rounding, rounding_seed=rounding_seed)
+        for name, value in given.items():
+            object.__setattr__(self, name, value)
+        self.__post_init__()
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
+            raise ValueError(f"OnDisk: `path` must name the table's folder, got {self.path!r}.")
+        object.__setattr__(self, "path", os.fspath(self.path))
+        if (isinstance(self.cache_rows, bool) or not isinstance(self.cache_rows, int)
+                or self.cache_rows < 1):
+            raise ValueError(f"OnDisk: `cache_rows` must be a positive int, got "
+                             f"{self.cache_rows!r}.")
+        if self.policy not in POLICIES:
+            raise ValueError(f"OnDisk: `policy` must be one of {POLICIES}, got "
+                             f"{self.policy!r}.")
