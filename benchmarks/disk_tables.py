@@ -85,7 +85,7 @@ def main():
     parser.add_argument("--rows", type=int, default=2_000_000)
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--batch", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

@@ -146,7 +146,8 @@ class TableHealth(keras.callbacks.Callback):
     - with tables on disk (`storage=OnDisk(...)`), over them and this epoch:
       `disk_hit_rate` (the share of row lookups their caches held),
       `disk_kb_read_per_step` and `disk_kb_written_per_step` (their files'
-      bytes, rows and per-row state).
+      bytes, rows and per-row state); the epoch's lookups include its
+      validation's.
 
     With `warn=True` it also warns, naming each table whose count grew.
 
@@ -172,9 +173,13 @@ class TableHealth(keras.callbacks.Callback):
         self._disk_before = self._disk_counts()
 
     def _disk_counts(self):
-        """The counts of every table on disk's cache, summed; None without one."""
-        tables = [t.table for t in self._dispatch().table_trainers.values()
-                  if isinstance(t.table, DiskTable)]
+        """The counts of every table on disk's cache, summed; None without one.
+
+        Found through the model's layers: on TF the optimizer is built inside
+        the first step, after the first epoch began.
+        """
+        tables = [layer.embeddings for layer in compat.sublayers(self.model)
+                  if isinstance(getattr(layer, "embeddings", None), DiskTable)]
         if not tables:
             return None
         stats = [table.health() for table in tables]

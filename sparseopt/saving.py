@@ -18,6 +18,7 @@ import zipfile
 import keras
 
 from sparseopt import compat
+from sparseopt.durable import fsync_path  # noqa: F401 (callbacks.py's, and this module's)
 
 
 def save_model(model, filepath, **kwargs):
@@ -120,15 +121,6 @@ def _load_as(model, filepath, layers, class_name, skip_mismatch):
         skip = [model.optimizer] if getattr(model, "optimizer", None) is not None else []
         with compat.saved_as(layers, class_name):
             model.load_weights(filepath, skip_mismatch=skip_mismatch, objects_to_skip=skip)
-
-
-def fsync_path(path):
-    """Flushes a file or a directory entry to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def check_one_process(what):

@@ -94,10 +94,15 @@ def test_files_reopen_with_their_rows_and_refuse_another_table(tmp_path):
     files.write(np.array([4]), {"rows": np.full((1, 3), 2.0), "acc": np.ones(1),
                                 "last": np.ones(1)})
     files.flush()
+    with pytest.raises(ValueError, match="emb/embeddings: its folder .* is open already"):
+        make_files(tmp_path)  # (two caches over one folder would lose rows)
+    files.close()
     reopened = make_files(tmp_path)
     np.testing.assert_array_equal(reopened.read(np.array([4]))["rows"], [[2.0, 2.0, 2.0]])
+    reopened.close()
     with pytest.raises(ValueError, match="emb/embeddings.*another table"):
         make_files(tmp_path, width=4)
+    make_files(tmp_path).close()  # (a refused open leaves the folder unlocked)
 
 
 def test_a_full_disk_is_an_error_naming_the_table_and_writes_nothing(tmp_path, monkeypatch):
@@ -168,6 +173,7 @@ def test_the_cache_reads_what_was_last_written_whatever_it_evicts(
                 np.testing.assert_array_equal(got["rows"][k], want[0])
                 assert got["acc"][k] == want[1] and got["last"][k] == want[2]
     cache.flush()
+    files.close()
     # Everything written reached the files, and nothing else changed there.
     reopened = make_files(path, num_rows=40, state_dtype=dtype)
     ids = np.arange(40)
@@ -255,3 +261,19 @@ def test_the_cache_counts_hits_misses_and_rows_moved(tmp_path):
     assert (health["rows_written"], health["rows_read"]) == (2, 1)
     row_bytes = 3 * 4 + 4 + 4
     assert (health["bytes_read"], health["bytes_written"]) == (row_bytes, 2 * row_bytes)
+
+
+def test_a_snapshot_copies_only_what_a_sparse_file_holds(tmp_path):
+    from sparseopt.disk.snapshots import copy_sparse
+
+    src, dst = tmp_path / "big.bin", tmp_path / "copy.bin"
+    with open(src, "wb") as f:  # 256 MiB, of which 8 KiB hold data
+        f.truncate(256 << 20)
+        f.seek(100 << 20)
+        f.write(b"\x07" * 8192)
+    copy_sparse(src, dst)
+    assert dst.stat().st_size == src.stat().st_size
+    assert dst.stat().st_blocks * 512 < (1 << 20)  # (not 256 MiB)
+    with open(dst, "rb") as f:
+        f.seek((100 << 20) - 1)
+        assert f.read(8194) == b"\x00" + b"\x07" * 8192 + b"\x00"

@@ -71,7 +71,8 @@ def test_the_rule_package_imports_no_backend():
 
 # The layers, lowest first: a module imports only from its own layer or below.
 LAYERS = [
-    ["sparseopt.records", "sparseopt.hashing", "sparseopt.halves", "sparseopt.compat"],
+    ["sparseopt.records", "sparseopt.hashing", "sparseopt.halves", "sparseopt.compat",
+     "sparseopt.durable"],
     ["sparseopt.native"],
     ["sparseopt.backend"],
     ["sparseopt.distribution"],

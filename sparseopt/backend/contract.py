@@ -64,6 +64,9 @@ CONTRACT = {
     "dedup": "`dedup(record, num_rows, workspace)`: the `Distinct` rows of a `RowGrads` "
              "(gradients of equal ids summed, ids outside `[0, num_rows)` dropped, the `count` "
              "distinct ids first): the pure path, and the reference of any dedup kernel.",
+    "scratch_workspace": "`scratch_workspace(n)`: a workspace for one `dedup` of ids below "
+                         "`n` made inside the traced step (a table without a workspace of "
+                         "its own), or None where `dedup` needs a variable (TF).",
     "trimmed": "`trimmed(distinct)`: a `Distinct` as `dedup` gives it: its `count` entries "
                "only where shapes may be dynamic (TF), unchanged (padded) where static (JAX).",
     "WORKSPACE": "whether `dedup` needs `workspace`, a persistent int32 variable with one "
@@ -153,13 +156,13 @@ CONTRACT = {
     # Tables kept outside the backend's arrays (on disk).
     "host_read": "`host_read(fn, args, outputs)`: `fn(*arrays)` run on the host (NumPy in, "
                  "a tuple of arrays out, of `outputs`' `(shape, dtype)`s), in a trace or "
-                 "eagerly; it writes nothing, and runs after every `host_write` before it "
-                 "(TF: in program order; JAX: the writes of earlier steps).",
+                 "eagerly; it writes nothing, and runs in program order with every other "
+                 "host call, across steps too.",
     "HOST_CALLS_COMPILE": "whether a step with host calls can still be compiled whole (JAX); "
                           "where not (TF: XLA has no `numpy_function`), a layer making them "
                           "says `supports_jit = False`.",
     "host_write": "`host_write(fn, args)`: `fn(*arrays)` run on the host for its effect, "
-                  "never dropped from a trace, in order with the other host writes.",
+                  "never dropped from a trace, in program order with every other host call.",
     # Building tables.
     "FILLS_IN_BLOCKS": "whether `fill_in_blocks` writes blocks into one buffer in place "
                        "(JAX); where not, it builds the blocks and joins them.",

@@ -24,7 +24,7 @@ from sparseopt.backend.contract import Kernel
 from sparseopt.backend.jax_dedup import first_occurrences, first_true  # noqa: F401
 from sparseopt.backend.jax_distinct import (  # noqa: F401 (the contract's)
     WORKSPACE, WORKSPACE_SINK, dedup, dedup_tables, for_distinct_rows, for_listed_rows,
-    sum_over_distinct_rows, trimmed)
+    scratch_workspace, sum_over_distinct_rows, trimmed)
 from sparseopt.backend.jax_rows import bitcast, gather_rows  # noqa: F401 (bitcast: the contract's)
 from sparseopt.backend.jax_writes import scatter, scatter_min, scatter_where  # noqa: F401
 from sparseopt.backend.jax_sharding import ROW_SHARDS, on_row_shards, row_shards  # noqa: F401

@@ -63,8 +63,21 @@ def dedup(record, num_rows, workspace):
     return Distinct(uniq, summed, count)
 
 
+def scratch_workspace(n):
+    """A workspace for one dedup of ids numbered below `n`, inside the traced step.
+
+    Args:
+        n: the ids' bound (the batch's size).
+    """
+    return Held(jnp.zeros((n + WORKSPACE_SINK,), jnp.int32))
+
+
 def trimmed(distinct):
-    """`distinct` as the step works on it: padded to its static size (JAX's shapes are)."""
+    """`distinct` as the step works on it: padded to its static size (JAX's shapes are).
+
+    Args:
+        distinct: a `Distinct`.
+    """
     return distinct
 
 

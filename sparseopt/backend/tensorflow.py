@@ -15,7 +15,7 @@ from sparseopt.backend.tensorflow_host import (  # noqa: F401 (the contract's)
     HOST_CALLS_COMPILE, host_read, host_write)
 from sparseopt.backend.tensorflow_distinct import (  # noqa: F401 (the contract's)
     WORKSPACE, WORKSPACE_SINK, dedup, dedup_tables, for_distinct_rows, for_listed_rows,
-    sum_over_distinct_rows, trimmed)
+    scratch_workspace, sum_over_distinct_rows, trimmed)
 from sparseopt.backend.tensorflow_replicas import (  # noqa: F401 (the contract's)
     all_replicas, gather_over_replicas, local, replica_context, replica_id, replica_strategy,
     sum_over_replicas)

@@ -55,8 +55,22 @@ def dedup(record, num_rows, workspace):
     return trimmed(Distinct(uniq[:-1], summed, count))
 
 
+def scratch_workspace(n):
+    """None: TF's dedup writes a workspace variable (one made in a step would be a
+    new variable per trace).
+
+    Args:
+        n: the ids' bound (unused).
+    """
+    return None
+
+
 def trimmed(distinct):
-    """`distinct` with its `count` first entries only (what the step works on)."""
+    """`distinct` with its `count` first entries only (what the step works on).
+
+    Args:
+        distinct: a `Distinct` padded past its `count` distinct entries.
+    """
     count = distinct.count
     if compat.in_xla_context():
         # Inside an XLA cluster, slicing at a computed bound does not compile

@@ -10,8 +10,17 @@ Keras' `jit_compile="auto"` leaves the step to TensorFlow.
 import numpy as np
 import tensorflow as tf
 
+HOST_CALLS_COMPILE = False  # (XLA cannot compile a numpy_function)
+
 
 def host_read(fn, args, outputs):
+    """`fn(*arrays)` on the host: a tuple of tensors of `outputs`' `(shape, dtype)`s.
+
+    Args:
+        fn: NumPy arrays in, a tuple of NumPy arrays out; writes nothing.
+        args: its tensor arguments.
+        outputs: `[(shape, dtype)]` of its results (dimensions may be None).
+    """
     out = tf.numpy_function(lambda *a: list(fn(*a)), list(args),
                             [tf.as_dtype(dtype) for _, dtype in outputs], stateful=True)
     for value, (shape, _) in zip(out, outputs):
@@ -20,9 +29,14 @@ def host_read(fn, args, outputs):
 
 
 def host_write(fn, args):
+    """`fn(*arrays)` on the host, for its effect, in order with every host call.
+
+    Args:
+        fn: NumPy arrays in; its result is ignored.
+        args: its tensor arguments.
+    """
     def run(*arrays):
         fn(*arrays)
         return np.zeros((), np.int32)
 
     tf.numpy_function(run, list(args), tf.int32, stateful=True)
-HOST_CALLS_COMPILE = False  # (XLA cannot compile a numpy_function)

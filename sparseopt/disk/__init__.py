@@ -14,8 +14,10 @@ and writes a step's rows through it. The modules:
 - `row_cache.py`: `RowCache`, a set-associative write-back cache of rows and
   their state in memory, LRU or LFU, with hit and byte counts;
 - `table.py`: `DiskTable`, the files and cache of one table as a layer holds
-  it, read and written from traced code through the backend's host calls.
+  it, read and written from traced code through the backend's host calls;
+- `snapshots.py`: what a save holds of a table on disk: sparse, crash-safe
+  copies of its files in its folder, which a load copies back.
 
-Next: a native cache and a prefetch stage, consistent snapshots for saves,
-sharding and open vocabularies.
+Next: a native cache and a prefetch stage, incremental snapshots, sharding
+and open vocabularies.
 """

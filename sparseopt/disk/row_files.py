@@ -14,6 +14,7 @@ a time before a chunk is first written: a full disk is then an `OSError`
 naming the table, raised before anything of the write happened.
 """
 
+import fcntl
 import json
 import mmap
 import os
@@ -24,6 +25,7 @@ import numpy as np
 from sparseopt.storage.dtypes import numpy_dtype
 
 FORMAT = 1
+LOCK = ".lock"  # held (flock) by the one RowFiles that has the folder open
 # Rows reserved on disk at once (per file): a chunk is 64 KiB of float32 rows
 # of width 16.
 CHUNK_ROWS = 1024
@@ -57,16 +59,29 @@ class RowFiles:
         columns: `{name: Column}`.
         owner: the table's name, for messages.
         describe: more of what `table.json` records and a reopening checks
-            (the initializer's config, the updater's).
+            (the initializer's config).
+
+    The folder is locked (`flock` of its `.lock`) while these files are open:
+    a second `RowFiles` on it, in this process or another, is refused, since
+    two caches over one table would each write back rows the other changed.
 
     Raises:
-        ValueError: the folder holds another table's files.
+        ValueError: the folder holds another table's files, or is open already.
     """
 
     def __init__(self, path, num_rows, columns, owner="table", describe=None):
         self.path, self.num_rows, self.owner = pathlib.Path(path), int(num_rows), owner
         self.columns = dict(columns)
         self.path.mkdir(parents=True, exist_ok=True)
+        self._lock = _locked(self.path / LOCK, owner)
+        try:
+            self._open(describe)
+        except BaseException:
+            self.close()  # (a refused folder is not left locked)
+            raise
+
+    def _open(self, describe):
+        """Checks or creates the files, and maps them."""
         meta = {"format": FORMAT, "num_rows": self.num_rows,
                 "columns": {n: c.describe() for n, c in self.columns.items()},
                 **(describe or {})}
@@ -184,8 +199,8 @@ class RowFiles:
                 "bytes_written": self.rows_written * self.row_bytes}
 
     def _reserve(self, ids):
-        chunks = np.unique(ids // CHUNK_ROWS)
-        chunks = chunks[~self._reserved[chunks]]
+        chunks = ids // CHUNK_ROWS
+        chunks = np.unique(chunks[~self._reserved[chunks]])  # (sorted only where new)
         for chunk in chunks:
             first = int(chunk) * CHUNK_ROWS
             rows = min(CHUNK_ROWS, self.num_rows - first)
@@ -232,7 +247,35 @@ class RowFiles:
         for array in [*self.maps.values(), self.written]:
             array.flush()
 
+    def close(self):
+        """Lets the folder go (its lock released, its maps dropped); unusable after."""
+        self.maps, self.written = {}, None
+        if getattr(self, "_lock", None) is not None:
+            self._lock.close()  # (closing the file releases its flock)
+            self._lock = None
+
+    @property
+    def names(self):
+        """The table's files: every column's, the written-rows bitmap, `table.json`."""
+        return [*(f"{n}.bin" for n in self.columns), WRITTEN, "table.json"]
+
     def disk_bytes(self):
         """Bytes the files take on disk (their allocated blocks, not their size)."""
         return sum(os.stat(self.path / f).st_blocks * 512
                    for f in [*(f"{n}.bin" for n in self.columns), WRITTEN])
+
+
+def _locked(path, owner):
+    """The open lock file `path`, locked exclusively; a ValueError naming `owner` if another
+    holds it."""
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise ValueError(
+            f"{owner}: its folder '{path.parent}' is open already (another layer, a clone of "
+            "the model, or another process): two tables over one folder would lose rows. "
+            "Give each its own folder, or close the other first "
+            "(`layer.embeddings.close()`).") from None
+    return handle

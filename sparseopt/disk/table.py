@@ -8,7 +8,10 @@ Traced code reaches them through host calls (`backend.host_read`,
 compiled step reads and writes a step's rows where they live:
 
 - reads take any ids (a batch's, with repeats and invalid ones): each
-  distinct valid id is read once through the cache; invalid ids read zeros;
+  distinct valid id is read once through the cache; invalid ids read zeros.
+  A read of rows all read since the last write (the optimizer's read of the
+  rows its step's lookups read) takes them from that read, not the cache
+  again: the cache's counts are the lookups';
 - writes take a step's distinct rows (entries from `count` on, ids outside
   the table and, where given, entries `keep` leaves out are not written);
   columns a write leaves out keep their values.
@@ -21,6 +24,7 @@ import numpy as np
 from keras import ops
 
 from sparseopt import backend
+from sparseopt.disk import snapshots
 from sparseopt.disk.initial_rows import InitialRows
 from sparseopt.disk.row_cache import RowCache
 from sparseopt.disk.row_files import Column, RowFiles
@@ -53,9 +57,18 @@ class DiskTable:
         for spec in slots:
             columns[spec.name] = Column(spec.shape(self.shape)[1:],
                                         spec.dtype_for(settings.state_dtype), spec.initial_value)
-        self.files = RowFiles(settings.path, self.shape[0], columns, owner=owner,
-                              describe={"initial": initial.get_config()})
-        self.cache = RowCache(self.files, settings.cache_rows, settings.policy)
+        self._owner, self._columns = owner, columns
+        self._describe = {"initial": initial.get_config()}
+        self._open()
+
+    def _open(self):
+        """Opens the files and a new, empty cache over them."""
+        self.files = RowFiles(self.settings.path, self.shape[0], self._columns,
+                              owner=self._owner, describe=self._describe)
+        self.cache = RowCache(self.files, self.settings.cache_rows, self.settings.policy)
+        # `(sorted distinct ids, {column: values})` of the last read, until the next
+        # write: the optimizer's read of a step's rows is the lookups' (`_recent`).
+        self._last_read = None
 
     @property
     def columns(self):
@@ -69,9 +82,13 @@ class DiskTable:
     # -- from traced code --------------------------------------------------
 
     def read(self, ids, names=(ROWS,)):
-        """The values of columns `names` at `ids` (int, any shape): a tuple of
-        `ids.shape + tail` tensors (float32, or int32 for integer state);
-        ids outside the table read zeros."""
+        """The values of columns `names` at `ids`: a tuple of `ids.shape + tail` tensors
+        (float32, or int32 for integer state); ids outside the table read zeros.
+
+        Args:
+            ids: int ids, any shape (a batch's: repeats and invalid ids allowed).
+            names: the columns (`"rows"`, per-row slots' names).
+        """
         shape = tuple(ids.shape)
         outputs = [(shape + self.columns[n].tail, self.carried_dtype(n)) for n in names]
 
@@ -109,7 +126,11 @@ class DiskTable:
         flat = ids.reshape(-1).astype(np.int64)
         valid = (flat >= 0) & (flat < self.shape[0])
         wanted, where = np.unique(flat[valid], return_inverse=True)
-        found = self.cache.read(wanted)
+        found = self._recent(wanted)
+        if found is None:
+            found = self.cache.read(wanted)
+            with self.cache.lock:
+                self._last_read = (wanted, found)
         out = []
         for name in names:
             col = self.columns[name]
@@ -118,7 +139,22 @@ class DiskTable:
             out.append(values.reshape(ids.shape + col.tail))
         return tuple(out)
 
+    def _recent(self, wanted):
+        """`{column: values}` of `wanted` (sorted distinct ids) from the last read, where it
+        read them all and nothing was written since; else None."""
+        with self.cache.lock:
+            last = self._last_read
+        if last is None or wanted.size == 0:
+            return None
+        ids, values = last
+        at = np.minimum(np.searchsorted(ids, wanted), max(ids.size - 1, 0))
+        if ids.size == 0 or not np.array_equal(ids[at], wanted):
+            return None
+        return {name: array[at] for name, array in values.items()}
+
     def _write_host(self, ids, count, keep, values):
+        with self.cache.lock:
+            self._last_read = None  # (its values are no longer current)
         ids = ids.astype(np.int64)
         take = (np.arange(ids.size) < count) & keep & (ids >= 0) & (ids < self.shape[0])
         ids, first = np.unique(ids[take], return_index=True)  # (repeats hold equal values)
@@ -127,8 +163,8 @@ class DiskTable:
         picked = np.flatnonzero(take)[first]
         kept = {n: np.asarray(v)[picked] for n, v in values.items()}
         missing = [n for n in self.columns if n not in kept]
-        if missing:  # columns left out keep their values
-            old = self.cache.read(ids)
+        if missing:  # columns left out keep their values (a look, not a lookup: uncounted)
+            old = self.cache.peek(ids)
             kept.update({n: old[n] for n in missing})
         self.cache.write(ids, {n: np.asarray(kept[n]).astype(self.files.maps[n].dtype)
                                for n in self.columns})
@@ -136,14 +172,55 @@ class DiskTable:
     # -- between steps -------------------------------------------------------
 
     def numpy(self, column=ROWS, ids=None):
-        """The current values of `column` (the rows, or a per-row slot's name) at `ids`
-        (None: every row), as stored; reading changes nothing in the cache."""
+        """The current values of `column` (the rows, or a per-row slot's name) at `ids`, as
+        stored; reading changes nothing in the cache.
+
+        Args:
+            column: `"rows"` or a per-row slot's name.
+            ids: int row ids; None: every row (a table's worth of memory).
+        """
         ids = np.arange(self.shape[0]) if ids is None else ids
         return self.cache.peek(ids)[column]
 
     def flush(self):
         """Writes the cache's dirty rows to the files, and the files to disk."""
         self.cache.flush()
+
+    def close(self):
+        """Writes the cache's rows to the files and lets the folder go (its lock
+        released): another table may open it then. The table is unusable after."""
+        with self.cache.lock:
+            self.cache.flush()
+            self.files.close()
+
+    def snapshot(self):
+        """Writes the cache's rows to the files, then copies the files into a new snapshot
+        (`sparseopt.disk.snapshots.take`); its name. What a save of the table holds."""
+        with self.cache.lock:
+            self.cache.flush()
+            return snapshots.take(self.settings.path, self.files.names)
+
+    def restore(self, snapshot):
+        """Makes the table what snapshot `snapshot` holds (its files copied back, the cache
+        emptied: its rows were the table's before).
+
+        Raises:
+            ValueError: the snapshot is missing, incomplete, or another table's.
+        """
+        with self.cache.lock:
+            snapshots.restore(self.settings.path, snapshot, self.files.names, self._owner)
+            self._last_read = None
+            self.files.close()  # (its maps are of the files replaced; its lock goes too)
+            self._open()
+
+    def snapshots(self):
+        """The names of the table's complete snapshots, oldest first."""
+        return snapshots.listed(self.settings.path)
+
+    def remove_snapshots(self, keep):
+        """Removes all but the `keep` newest snapshots (files that refer to the others can
+        then no longer be loaded); the names removed."""
+        return snapshots.remove(self.settings.path, keep)
 
     def health(self):
         """The cache's counts so far (`RowCache.health`: hits, misses, hit rate, rows and

@@ -12,11 +12,13 @@ per step, from the rule's contributions summed over the distinct rows,
 before the row rule reads them (`update_whole`).
 """
 
+from typing import Any, NamedTuple
+
 from keras import ops
 
 from sparseopt import backend
 from sparseopt.engine import kernels
-from sparseopt.records import Distinct
+from sparseopt.records import Distinct, RowGrads
 from sparseopt.updaters.core import transforms
 from sparseopt.updaters.core.hyperparameters import Values
 
@@ -114,14 +116,46 @@ def distinct(record, num_rows, workspace):
 
     A table without a workspace where the backend's dedup needs one (a table on
     disk, whose one entry per row would take memory in proportion to the
-    table) is deduplicated by a hash of the step's ids (`distinct_by_hash`).
+    table) is deduplicated without one (`distinct_without_workspace`).
     """
     if workspace is None and backend.WORKSPACE:
-        return distinct_by_hash(record, num_rows)[0]
+        return distinct_without_workspace(record, num_rows)
     kernel = kernels.find(("distinct",), record=record, workspace=workspace)
     if kernel is not None:
         return kernel.run(record, num_rows, workspace)
     return backend.dedup(record, num_rows, workspace)
+
+
+def distinct_without_workspace(record, num_rows):
+    """The `Distinct` rows of `record` with no workspace of the table's size, the same as
+    `distinct` with one gives, bit for bit.
+
+    The step's ids are numbered by a hash of the batch (`_numbered`), the
+    backend's own dedup (its kernel where one applies) runs on the numbers
+    with a scratch workspace of the batch's size, and the numbers are mapped
+    back to ids: the very dedup a table with a workspace gets, so the same
+    sums (XLA's own scatter-add, compiled at its default optimizations, may
+    add duplicates' gradients otherwise than the native kernel). Where the
+    backend has no scratch workspace (TF, whose dedup writes a variable),
+    `distinct_by_hash`, whose sums are TF's dedup's.
+
+    Args:
+        record: the step's float32 `RowGrads`.
+        num_rows: the table's rows.
+    """
+    ids, n = _flat(record)
+    scratch = backend.scratch_workspace(n)
+    if scratch is None:
+        return distinct_by_hash(record, num_rows)[0]
+    numbered = _numbered(ids, n, num_rows)
+    found = distinct(RowGrads(numbered.number, record.grads), n, scratch)
+    # Numbers back to ids; the entries from `count` on are padding past the table.
+    real = ops.where(ops.less(found.ids, n),
+                     ops.take(numbered.ids_of, ops.minimum(found.ids, n - 1)),
+                     num_rows + (found.ids - n))
+    if num_rows >= n:  # (the dedup's own arrays, unsliced: nothing to cut)
+        return Distinct(real, found.grads, found.count)
+    return Distinct(real[:num_rows], found.grads[:num_rows], found.count)
 
 
 def distinct_by_hash(record, num_rows):
@@ -129,18 +163,56 @@ def distinct_by_hash(record, num_rows):
     their summed gradients, and where in the record each last occurs.
 
     The same `Distinct` as the workspace dedups give (`backend.dedup` and its
-    kernels), bit for bit: ids numbered in the order of their last
-    occurrence, gradients added in occurrence order from +0.0, the padding
-    ids past the table after them (TF: only the `count` distinct entries).
-    The order matters beyond tidiness: TF's vectorized kernels may compute a
-    value in its last bit differently at another position in a tensor.
+    kernels) where the backend's sums are in occurrence order (TF's; on
+    JAX `distinct_without_workspace` runs the kernel itself): ids numbered in
+    the order of their last occurrence, gradients added in occurrence order
+    from +0.0, the padding ids past the table after them (TF: only the
+    `count` distinct entries). The order matters beyond tidiness: TF's
+    vectorized kernels may compute a value in its last bit differently at
+    another position in a tensor.
 
     Args:
         record: the step's float32 `RowGrads`.
         num_rows: the table's rows.
     """
+    ids, n = _flat(record)
+    numbered = _numbered(ids, n, num_rows)
+    size = min(n, num_rows) if isinstance(n, int) else ops.minimum(n, num_rows)
+    # Entries past `size` (invalid ids, and earlier occurrences' own slots) are cut off.
+    segment = ops.where(ops.less(numbered.number, n), numbered.number, size)
+    summed = ops.segment_sum(record.rows(), segment, num_segments=size + 1)[:size]
+    # (A lone -0.0 sums to +0.0, as the workspace dedups' sums do.)
+    summed = ops.where(ops.equal(summed, 0.0), ops.zeros((), summed.dtype), summed)
+    uniq = ops.where(ops.arange(size, dtype="int32") < numbered.count,
+                     numbered.ids_of[:size], num_rows + ops.arange(size, dtype="int32"))
+    positions = numbered.positions[:size]
+    return backend.trimmed(Distinct(uniq, summed, numbered.count)), positions
+
+
+def _flat(record):
+    """`(ids, n)`: the record's ids as int32 `[n]` (n a Python int where known)."""
     ids = ops.cast(ops.reshape(record.ids, (-1,)), "int32")
-    n = ids.shape[0] if ids.shape[0] is not None else ops.shape(ids)[0]
+    return ids, (ids.shape[0] if ids.shape[0] is not None else ops.shape(ids)[0])
+
+
+class _Numbering(NamedTuple):
+    """The step's valid ids numbered `0..count-1` in the order of their last occurrence.
+
+    number: int32 `[n]`, each entry's id's number (`n` for an invalid id).
+    ids_of: int32 `[n]`, the id of each number (entries from `count` on: 0).
+    positions: int32 `[n]`, each number's last position in the record.
+    count: the number of distinct valid ids.
+    """
+
+    number: Any
+    ids_of: Any
+    positions: Any
+    count: Any
+
+
+def _numbered(ids, n, num_rows):
+    """The `_Numbering` of int32 ids `[n]` (those outside `[0, num_rows)` invalid), by a
+    hash of the batch's ids (`backend.first_occurrences`): no table-sized memory."""
     valid = ops.logical_and(ops.greater_equal(ids, 0), ops.less(ids, num_rows))
     # Each id's last occurrence: its first one in the ids reversed.
     backwards = backend.first_occurrences(ops.zeros_like(ids), ops.flip(ids, 0),
@@ -149,18 +221,11 @@ def distinct_by_hash(record, num_rows):
     position = ops.arange(n, dtype="int32")
     is_last = ops.logical_and(valid, ops.equal(last, position))
     slot = ops.cumsum(ops.cast(is_last, "int32")) - 1
-    count = ops.sum(ops.cast(is_last, "int32"))
-    size = min(n, num_rows) if isinstance(n, int) else ops.minimum(n, num_rows)
-    # Entries past `size` (invalid ids, and earlier occurrences' own slots) are cut off.
-    segment = ops.where(valid, ops.take(slot, ops.where(valid, last, 0)), size)
-    summed = ops.segment_sum(record.rows(), segment, num_segments=size + 1)[:size]
-    # (A lone -0.0 sums to +0.0, as the workspace dedups' sums do.)
-    summed = ops.where(ops.equal(summed, 0.0), ops.zeros((), summed.dtype), summed)
-    at = ops.expand_dims(ops.where(is_last, slot, size), 1)
-    padding = ops.arange(num_rows, num_rows + size + 1, dtype="int32")
-    uniq = ops.scatter_update(padding, at, ids)[:size]
-    positions = ops.scatter_update(ops.zeros((size + 1,), "int32"), at, position)[:size]
-    return backend.trimmed(Distinct(uniq, summed, count)), positions
+    number = ops.where(valid, ops.take(slot, ops.where(valid, last, 0)), n)
+    at = ops.expand_dims(ops.where(is_last, slot, n), 1)
+    ids_of = ops.scatter_update(ops.zeros((n + 1,), "int32"), at, ids)[:n]
+    positions = ops.scatter_update(ops.zeros((n + 1,), "int32"), at, position)[:n]
+    return _Numbering(number, ids_of, positions, ops.sum(ops.cast(is_last, "int32")))
 
 
 def checked(finite, factor):
@@ -236,7 +301,10 @@ def update_whole(updater, storage, found, finite, values, step, context=None):
     hp = Values(values, step)
 
     def contributions(ids, grads):
-        rows, state = storage.read(ids, context)
+        # Read into buffers first, wherever the rows come from: the sums below then
+        # compile to one reduction, whichever kind of storage the rows came from
+        # (fused with a gather, XLA may add them in another order).
+        rows, state = backend.materialize(storage.read(ids, context))
         # The rows and gradients the rule will see (options applied first).
         rows, grads = transforms.before_rule(updater.transforms, rows, grads, hp)
         return updater.contributions(rows, {**state, **old}, grads, hp)

@@ -219,7 +219,19 @@ class TableTrainer:
         return values
 
     def state(self):
-        """`{slot name: Keras variable}`: the updater's state of this table."""
+        """`{slot name: Keras variable}`: the updater's state of this table.
+
+        Raises:
+            ValueError: some of it is no variable (a table on disk keeps its
+                per-row state in its files).
+        """
+        elsewhere = [n for n in (self.row_storage.per_row if self.row_storage else [])
+                     if n not in self.slots]
+        if elsewhere:
+            raise ValueError(
+                f"Table '{self.table.path}': its per-row state {elsewhere} is kept in its "
+                "files (storage=OnDisk), not in variables. Read it with "
+                "`layer.embeddings.numpy(column, ids)`.")
         return dict(self.slots)
 
     @property

@@ -91,6 +91,10 @@ class DynamicEmbedding(SparseEmbedding):
         rows = self._capacity + (default_row == "trained")
         super().__init__(rows, output_dim, updater, embeddings_initializer, combiner,
                          storage, **kwargs)
+        if self.on_disk:
+            raise ValueError(f"DynamicEmbedding '{self.name}': an open vocabulary on disk "
+                             "(storage=OnDisk) is not supported yet; use a SparseEmbedding "
+                             "on disk, or this layer in memory.")
         new_rows.check(self.embeddings_initializer, self.name)
         self.key_halves = bool(key_halves)
         self.vocabulary = OpenVocabulary(

@@ -1,5 +1,7 @@
 """`SparseEmbedding`: an embedding table trained by its own sparse updater."""
 
+import json
+
 import keras
 import numpy as np
 
@@ -14,11 +16,38 @@ from sparseopt.ops.lookup import PlainOptimizerGuard, SparseLookup, check_ids_dt
 
 COMBINERS = (None, "sum", "mean")
 
-_NOT_SAVED = (
-    "Layer '{name}': table '{path}' is on disk (storage=OnDisk): weights files and "
-    "`model.save` do not hold it yet. Its rows and state are in '{folder}': call "
-    "`layer.flush()` and copy that folder, and save the rest of the model without this "
-    "layer.")
+# What a weights file holds of a table on disk: a record naming its snapshot.
+_DISK_FORMAT = "sparseopt-disk-snapshot"
+
+
+def disk_record(snapshot, shape):
+    """The uint8 array a weights file holds for a table on disk: JSON naming its snapshot."""
+    text = json.dumps({"format": _DISK_FORMAT, "snapshot": snapshot, "shape": list(shape)})
+    return np.frombuffer(text.encode(), np.uint8)
+
+
+def snapshot_of(store, layer_name, table):
+    """The snapshot a file's record names for `table` (a `DiskTable`).
+
+    Raises:
+        ValueError: the file holds something else (a table's values, another shape).
+    """
+    entry = np.asarray(store["0"]) if len(store.keys()) == 1 else None
+    record = None
+    if entry is not None and entry.dtype == np.uint8 and entry.ndim == 1:
+        try:
+            record = json.loads(entry.tobytes().decode())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            record = None
+    if not isinstance(record, dict) or record.get("format") != _DISK_FORMAT:
+        raise ValueError(
+            f"Layer '{layer_name}': table '{table.path}' is on disk (storage=OnDisk), and "
+            "this file holds no snapshot of a table on disk (a table in memory's values, or "
+            "another layer's). Load it into the same layer built without OnDisk.")
+    if tuple(record["shape"]) != tuple(table.shape):
+        raise ValueError(f"Layer '{layer_name}': the file's table on disk has shape "
+                         f"{tuple(record['shape'])}, this layer's {tuple(table.shape)}.")
+    return record["snapshot"]
 
 # keras.layers.Embedding options that have no sparse meaning, and the fix.
 _REFUSED = {
@@ -120,12 +149,21 @@ class SparseEmbedding(keras.layers.Layer):
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         self.combiner = combiner
         self.storage = storage_lib.from_argument(storage, f"SparseEmbedding '{self.name}'")
+        if self.on_disk and not backend.HOST_CALLS_COMPILE:
+            # Said before `compile` (where Keras resolves `jit_compile="auto"`): XLA
+            # cannot compile the host calls that reach a table on disk.
+            self.supports_jit = False
+
+    @property
+    def on_disk(self):
+        """Whether the table is kept on disk (`storage=sparseopt.storage.OnDisk(...)`)."""
+        return getattr(self.storage, "kind", None) == "disk"
 
     def build(self, input_shape=None):
         shape = (self.input_dim, self.output_dim)
         path = f"{compat.current_path()}/embeddings".lstrip("/")
         check_even_split(self.name, path, shape)
-        if getattr(self.storage, "kind", None) == "disk":
+        if self.on_disk:
             self._build_on_disk(path, shape)
             return
         if self.int8 is not None:
@@ -159,8 +197,6 @@ class SparseEmbedding(keras.layers.Layer):
         self.embeddings = DiskTable(path, shape, self.variable_dtype,
                                     self.embeddings_initializer,
                                     [s for s in self.updater.slots if s.per_row], settings)
-        if not backend.HOST_CALLS_COMPILE:
-            self.supports_jit = False  # (Keras' jit_compile="auto" then leaves XLA out)
         self._lookup = self._make_lookup()
 
     def flush(self):
@@ -239,8 +275,10 @@ class SparseEmbedding(keras.layers.Layer):
             store["0"], store["1"] = self.embeddings, self.embeddings_scale
             return
         if isinstance(self.embeddings, DiskTable):
-            raise ValueError(_NOT_SAVED.format(name=self.name, path=self.embeddings.path,
-                                               folder=self.storage.path))
+            # The file holds the name of a snapshot of the table's files (in its folder).
+            with backend.outside_trace():
+                store["0"] = disk_record(self.embeddings.snapshot(), self.embeddings.shape)
+            return
         store["0"] = self.embeddings
 
     def load_own_variables(self, store):
@@ -253,8 +291,8 @@ class SparseEmbedding(keras.layers.Layer):
             self._load_int8(store)
             return
         if isinstance(self.embeddings, DiskTable):
-            raise ValueError(_NOT_SAVED.format(name=self.name, path=self.embeddings.path,
-                                               folder=self.storage.path))
+            self.embeddings.restore(snapshot_of(store, self.name, self.embeddings))
+            return
         legacy = len(store.keys()) == 3 and tuple(store["1"].shape) == ()
         if len(store.keys()) != 1 and not legacy:
             raise ValueError(

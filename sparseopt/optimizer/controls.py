@@ -140,6 +140,12 @@ class Controls:
             raise ValueError(
                 "DispatchOptimizer: `exclude_from_weight_decay()` can only be configured "
                 "before the optimizer is built.")
+        # Tables that are no variables (on disk) are excluded here: Keras keys its
+        # list by variable (on TF, by the tf.Variable), which they are not.
+        self._decay_excluded_tables = {id(v) for v in var_list or []
+                                       if not isinstance(v, keras.Variable)}
+        if var_list is not None:
+            var_list = [v for v in var_list if isinstance(v, keras.Variable)]
         # As Keras': each call replaces the previous one.
         self._decay_exclusion = (var_list, var_names)
         for opt in self._dense_optimizers:

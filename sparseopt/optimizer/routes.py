@@ -11,7 +11,6 @@ import weakref
 import keras
 
 from sparseopt import backend, compat
-from sparseopt.disk.table import DiskTable
 from sparseopt.engine import accumulation
 from sparseopt.engine.group import group_trainers
 from sparseopt.engine.trainer import TableTrainer
@@ -36,12 +35,6 @@ class Routes:
         """The `LossScaleOptimizer` that built this optimizer (wraps it), or None."""
         ref = getattr(self, "_scaling_wrapper", None)
         return ref() if ref is not None else None
-
-    def _var_key(self, variable):
-        """Keras' key of a variable; a table on disk, which is no variable, is its own."""
-        if isinstance(variable, DiskTable):
-            return id(variable)  # (Keras' TF key reads the tf.Variable's id)
-        return super()._var_key(variable)
 
     def build(self, var_list):
         """Routes `var_list` and creates the state of every sparse table.
@@ -73,7 +66,10 @@ class Routes:
         self._installed = {}  # var key -> variable whose "gradient" is its new value
         for route in routing.plan(tables, declared, self._optimizer_map,
                                   self._default_optimizer):
-            var, key = route.variable, self._var_key(route.variable)
+            var = route.variable
+            # (A table's trainer is keyed by `_add_trainer`: a table on disk is no
+            # variable, which Keras' key on TF reads.)
+            key = None if route.kind == routing.TABLE else self._var_key(var)
             if route.kind == routing.INSTALLED:
                 self._installed[key] = var
             elif route.kind == routing.TABLE:
@@ -106,7 +102,9 @@ class Routes:
             opt.build(dense.get(id(opt), []))
         for trainer in self._trainers.values():
             # The wrapped optimizer's rules (set on it, or forwarded from here).
-            trainer.decays = compat.uses_weight_decay(self._default_optimizer, trainer.table)
+            trainer.decays = (
+                id(trainer.table) not in getattr(self, "_decay_excluded_tables", ())
+                and compat.uses_weight_decay(self._default_optimizer, trainer.table))
             # A loss-scale wrapper learns of non-finite row gradients from the
             # probe's gradient (NaN); without one, nothing reads it.
             if isinstance(trainer.source, LookupRows):
@@ -196,7 +194,9 @@ class Routes:
         return found
 
     def _add_trainer(self, trainer):
-        self._trainers[self._var_key(trainer.table)] = trainer
+        table = trainer.table
+        key = self._var_key(table) if isinstance(table, keras.Variable) else id(table)
+        self._trainers[key] = trainer
         for var in trainer.source.watched:
             self._watched[self._var_key(var)] = trainer
 

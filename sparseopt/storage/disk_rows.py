@@ -39,7 +39,7 @@ class DiskRows(RowStorage):
             table: the table (a `DiskTable` where its layer put it on disk).
             vocabulary: its open vocabulary, or None.
         """
-        where = f"Table '{table.path}' (storage=OnDisk)"
+        where = _named(table)
         if not isinstance(table, DiskTable):
             raise ValueError(f"{where}: only a `sparseopt.layers.SparseEmbedding` keeps its "
                              "table on disk; this table is a variable in memory.")
@@ -78,7 +78,7 @@ class DiskRows(RowStorage):
         if column is None or column.dtype != dtype \
                 or column.tail != spec.shape(self.table.shape)[1:]:
             raise ValueError(
-                f"Table '{self.table.path}' (storage=OnDisk): its files have no column for "
+                f"{_named(self.table)}: its files have no column for "
                 f"the updater's slot '{spec.name}' ({dtype}); the table's layer made them for "
                 "another updater. Train it with the updater its layer was given.")
 
@@ -90,7 +90,7 @@ class DiskRows(RowStorage):
         return []  # (nothing in the step's arrays: the rows are on the host)
 
     def over(self, variables, row_offset=None):
-        raise ValueError(f"Table '{self.table.path}' (storage=OnDisk): a table on disk is "
+        raise ValueError(f"{_named(self.table)}: a table on disk is "
                          "not split over devices.")
 
     def read(self, ids, context=None):
@@ -115,7 +115,7 @@ class DiskRows(RowStorage):
         return ops.cast(values, dtype)
 
     def start(self, ids, rows, keep, step):
-        raise ValueError(f"Table '{self.table.path}' (storage=OnDisk): rows given to new ids "
+        raise ValueError(f"{_named(self.table)}: rows given to new ids "
                          "(an open vocabulary) are not supported on disk yet.")
 
     ends_fit = True
@@ -124,7 +124,7 @@ class DiskRows(RowStorage):
         self.table.flush()  # (the cache's rows into the files, the files to disk)
 
     def values(self):
-        raise ValueError(f"Table '{self.table.path}' (storage=OnDisk): whole-table work "
+        raise ValueError(f"{_named(self.table)}: whole-table work "
                          "(every row at once) is not supported on disk.")
 
     def assign_values(self, values, step):
@@ -137,3 +137,8 @@ class DiskRows(RowStorage):
         if name in self.per_row:
             self.values()
         return super().state_values(name)
+
+
+def _named(table):
+    """How messages name a table on disk."""
+    return f"Table '{table.path}' (storage=OnDisk)"
