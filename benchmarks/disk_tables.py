@@ -70,6 +70,8 @@ def run(args, storage, warm, timed):
     m.fit(timed[0], timed[1], batch_size=args.batch, shuffle=False, verbose=0)
     step_ms = 1e3 * (time.perf_counter() - t0) / args.steps
     after = emb.disk_stats()
+    if after is not None:
+        emb.embeddings.close()  # (its folder is removed next)
     out = {"step_ms": step_ms}
     if before is not None:
         looked = (after["hits"] - before["hits"]) + (after["misses"] - before["misses"])

@@ -587,3 +587,77 @@ def test_a_save_that_dies_midway_leaves_the_last_snapshot_whole(tmp_path, monkey
     model.save_weights(tmp_path / "third.weights.h5")  # (and clears the partial copy)
     assert len(layer.embeddings.snapshots()) == 2
     assert not list((tmp_path / "t" / "snapshots").glob(".partial-*"))
+
+
+def test_a_load_checks_the_snapshot_before_it_touches_the_table(tmp_path):
+    model, layer = _saved_model(tmp_path / "t")
+    x, y = _data(1)
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    model.save_weights(tmp_path / "w.weights.h5")
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    live = layer.embeddings.numpy().copy()
+    (snapshot,) = layer.embeddings.snapshots()
+    damaged = tmp_path / "t" / "snapshots" / snapshot / "rows.bin"
+    with open(damaged, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError, match=f"'t0/embeddings'.*snapshot '{snapshot}'.*damaged"):
+        model.load_weights(tmp_path / "w.weights.h5")
+    np.testing.assert_array_equal(layer.embeddings.numpy(), live)  # (untouched)
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)  # (and still trains)
+
+
+def test_a_file_of_the_other_kind_of_table_is_refused(tmp_path):
+    on_disk, _ = _saved_model(tmp_path / "t")
+    in_memory, _, _ = _model({"Adagrad": (sparseopt.updaters.Adagrad, {}, "float32", {})},
+                             lambda i, s: None)
+    in_memory.save_weights(tmp_path / "memory.weights.h5")
+    with pytest.raises(ValueError, match="'t0/embeddings' is on disk .* holds no snapshot"):
+        on_disk.load_weights(tmp_path / "memory.weights.h5")
+    on_disk.save_weights(tmp_path / "disk.weights.h5")
+    with pytest.raises(ValueError, match="'t0': the file's table has shape"):
+        in_memory.load_weights(tmp_path / "disk.weights.h5")
+
+
+_OUTSIDE_FIT_CHILD = """
+import sys, numpy as np, keras, sparseopt
+sys.path.insert(0, sys.argv[2])
+from tests.test_disk_tables import _saved_model, _data
+model, layer = _saved_model(sys.argv[1])
+x, y = _data(1)
+model.train_on_batch(x[:8], y[:8])  # (no end of fit to write the cache to the files)
+np.save(sys.argv[1] + ".npy", layer.embeddings.numpy())
+"""
+
+
+def test_training_outside_fit_reaches_the_files_when_python_exits(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", _OUTSIDE_FIT_CHILD, str(tmp_path / "t"), ROOT],
+                          cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _, layer = _saved_model(tmp_path / "t")
+    trained = np.load(str(tmp_path / "t") + ".npy")
+    assert layer.embeddings.files.is_written(np.arange(ROWS)).any()
+    np.testing.assert_array_equal(layer.embeddings.numpy(), trained)
+
+
+def test_snapshots_are_numbered_and_a_crash_before_the_rename_lists_none(tmp_path,
+                                                                         monkeypatch):
+    from sparseopt.disk import snapshots
+
+    model, layer = _saved_model(tmp_path / "t")
+    for _ in range(2):
+        model.save_weights(tmp_path / "w.weights.h5")
+    assert layer.embeddings.snapshots() == ["00000001", "00000002"]
+    real = snapshots.os.replace
+
+    def dies(src, dst):  # (the copy is complete, the rename never happens)
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(snapshots.os, "replace", dies)
+    with pytest.raises(KeyboardInterrupt):
+        model.save_weights(tmp_path / "w2.weights.h5")
+    monkeypatch.setattr(snapshots.os, "replace", real)
+    assert layer.embeddings.snapshots() == ["00000001", "00000002"]
+    assert layer.embeddings.remove_snapshots(keep=1) == ["00000001"]
+    model.save_weights(tmp_path / "w3.weights.h5")
+    assert layer.embeddings.snapshots() == ["00000002", "00000003"]

@@ -116,7 +116,11 @@ class RowCache:
 
     def peek(self, ids):
         """`{column: values [M, *tail]}` of rows `ids` as they are now (cached or in the
-        files), changing nothing: no row is cached or evicted, nothing counted."""
+        files), changing nothing: no row is cached or evicted, nothing counted.
+
+        Args:
+            ids: int rows (repeats allowed).
+        """
         ids = self.files.check_ids(ids)
         with self.lock:
             out = self.files.read(ids, counted=False)

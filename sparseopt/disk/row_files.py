@@ -74,6 +74,7 @@ class RowFiles:
         self.columns = dict(columns)
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock = _locked(self.path / LOCK, owner)
+        self._describe = describe
         try:
             self._open(describe)
         except BaseException:
@@ -247,6 +248,15 @@ class RowFiles:
         for array in [*self.maps.values(), self.written]:
             array.flush()
 
+    def reopen(self):
+        """Maps the folder's files again (replaced by a restore), keeping its lock.
+
+        Raises:
+            ValueError: they are not this table's files (nothing is mapped then).
+        """
+        self.maps, self.written = {}, None
+        self._open(self._describe)
+
     def close(self):
         """Lets the folder go (its lock released, its maps dropped); unusable after."""
         self.maps, self.written = {}, None
@@ -256,13 +266,12 @@ class RowFiles:
 
     @property
     def names(self):
-        """The table's files: every column's, the written-rows bitmap, `table.json`."""
+        """The table's files: every column's, the written-rows bitmap, `table.json` (last)."""
         return [*(f"{n}.bin" for n in self.columns), WRITTEN, "table.json"]
 
     def disk_bytes(self):
         """Bytes the files take on disk (their allocated blocks, not their size)."""
-        return sum(os.stat(self.path / f).st_blocks * 512
-                   for f in [*(f"{n}.bin" for n in self.columns), WRITTEN])
+        return sum(os.stat(self.path / f).st_blocks * 512 for f in self.names[:-1])
 
 
 def _locked(path, owner):

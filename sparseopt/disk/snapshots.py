@@ -6,28 +6,33 @@ on disk takes a snapshot of its files in its own folder
 (`SparseEmbedding.save_own_variables`). A snapshot is taken between steps
 (Keras saves outside the train step), after the cache's dirty rows are
 written into the files, so it holds one step's end, never half of one.
+Names are numbers, one more than the highest there (the table's folder is
+locked while open, so no other writer numbers one at the same time).
 
 Crash safety (`take`): the copy is written under a hidden name, each file
-synced, then a `complete.json` synced, then the folder renamed into place
-and the parent synced. A crash at any point leaves either no snapshot of
-that name or a complete one; what a completed save refers to is never
-touched by a later save or by training, which writes the live files only.
-Leftover partial copies are removed by the next `take`.
+synced, then its `complete.json` (every file's size) synced, then the folder
+renamed into place and the parent synced. A crash at any point leaves either
+no snapshot of that name or a complete one (hidden copies are never listed
+or restored, and the next `take` removes them); what a completed save refers
+to is never touched by a later save or by training, which writes the live
+files only.
 
 Files are copied sparsely (only the blocks that hold data: `SEEK_DATA` /
-`SEEK_HOLE`), so a snapshot costs the table's written rows, not its size.
+`SEEK_HOLE`, Linux), so a snapshot costs the table's written rows, not its
+size.
 
-`restore` copies a snapshot back over the live files (each file written
-under a hidden name, synced, then renamed over the live one). A crash while
-restoring can leave the live files mixed, never the snapshot: load again.
+`restore` checks the snapshot (complete, this table's, every file at its
+recorded size), copies every file beside the live ones under hidden names,
+then renames them over the live files. A failure before the renames leaves
+the live files as they were; the renames themselves are the only window in
+which a crash mixes live files (the snapshot stays whole: load again).
 """
 
+import errno
 import json
 import os
 import pathlib
 import shutil
-import time
-import uuid
 
 from sparseopt.durable import fsync_path
 
@@ -40,17 +45,24 @@ def take(path, names):
     """Copies the table's files `names` in folder `path` into a new snapshot; its name.
 
     Args:
-        path: the table's folder.
+        path: the table's folder (locked by the caller's open files).
         names: its files (every column's, the written-rows bitmap, `table.json`).
     """
     path = pathlib.Path(path)
     root = path / FOLDER
-    root.mkdir(exist_ok=True)
-    for stale in root.glob(_PARTIAL + "*"):  # an earlier save's crash: never referred to
-        shutil.rmtree(stale, ignore_errors=True)
+    if not root.exists():
+        root.mkdir()
+        fsync_path(path)
+    for stale in [*root.glob(_PARTIAL + "*"), *path.glob(_PARTIAL + "*")]:
+        # An earlier save's or load's crash: never referred to.
+        if stale.is_dir():
+            shutil.rmtree(stale)
+        else:
+            stale.unlink()
     for name in names:
         fsync_path(path / name)
-    snapshot = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
+    numbers = [int(n) for n in listed(path)]
+    snapshot = f"{max(numbers, default=0) + 1:08d}"
     partial = root / (_PARTIAL + snapshot)
     partial.mkdir()
     for name in names:
@@ -74,31 +86,53 @@ def restore(path, snapshot, names, owner):
         owner: the table, for messages.
 
     Raises:
-        ValueError: the snapshot is missing or incomplete, or holds another table.
+        ValueError: the snapshot is missing, incomplete or damaged, or another
+            table's (the live files are then untouched).
     """
     path = pathlib.Path(path)
     folder = path / FOLDER / str(snapshot)
-    if not (folder / COMPLETE).exists():
-        raise ValueError(
-            f"{owner}: the file being loaded holds its rows in snapshot '{snapshot}' of "
-            f"'{path}', which is {'incomplete' if folder.exists() else 'missing'}. Load a "
-            "file saved with this table's folder in place, or restore the folder.")
-    if (folder / "table.json").read_text() != (path / "table.json").read_text():
-        raise ValueError(f"{owner}: snapshot '{snapshot}' in '{path}' holds another table's "
-                         "files than this layer's.")
+    _check(folder, snapshot, names, path, owner)
+    staged = {name: path / (_PARTIAL + name) for name in names}
+    try:
+        for name in names:
+            copy_sparse(folder / name, staged[name])
+    except BaseException:
+        for file in staged.values():
+            file.unlink(missing_ok=True)
+        raise
     for name in names:
-        staged = path / (_PARTIAL + name)
-        copy_sparse(folder / name, staged)
-        os.replace(staged, path / name)
+        os.replace(staged[name], path / name)
     fsync_path(path)
 
 
+def _check(folder, snapshot, names, path, owner):
+    """Raises a ValueError naming `owner` unless `folder` is a complete, whole snapshot of
+    this table's files."""
+    where = f"{owner}: the file being loaded holds its rows in snapshot '{snapshot}' of '{path}'"
+    if str(snapshot).startswith(_PARTIAL) or not (folder / COMPLETE).exists():
+        raise ValueError(
+            f"{where}, which is {'incomplete' if folder.exists() else 'missing'}. Load a "
+            "file saved with this table's folder in place, or restore the folder.")
+    sizes = json.loads((folder / COMPLETE).read_text())["files"]
+    for name in names:
+        file = folder / name
+        if sizes.get(name) is None or not file.exists() or file.stat().st_size != sizes[name]:
+            raise ValueError(f"{where}, whose '{name}' is missing or damaged.")
+    if (folder / "table.json").read_text() != (path / "table.json").read_text():
+        raise ValueError(f"{where}, which holds another table's files than this layer's.")
+
+
 def listed(path):
-    """The names of the complete snapshots in folder `path`, oldest first."""
+    """The names of the complete snapshots in folder `path`, oldest first.
+
+    Args:
+        path: the table's folder.
+    """
     root = pathlib.Path(path) / FOLDER
     if not root.exists():
         return []
-    return sorted(p.name for p in root.iterdir() if (p / COMPLETE).exists())
+    return sorted(p.name for p in root.iterdir()
+                  if not p.name.startswith(_PARTIAL) and (p / COMPLETE).exists())
 
 
 def remove(path, keep):
@@ -106,15 +140,25 @@ def remove(path, keep):
 
     A weights file that refers to a removed snapshot can no longer be loaded:
     keep those your files need.
+
+    Args:
+        path: the table's folder.
+        keep: how many of the newest to keep.
     """
-    old = listed(path)[:max(len(listed(path)) - int(keep), 0)]
+    names = listed(path)
+    old = names[:max(len(names) - int(keep), 0)]
     for name in old:
         shutil.rmtree(pathlib.Path(path) / FOLDER / name)
     return old
 
 
 def copy_sparse(src, dst):
-    """Copies file `src` to `dst` (created or replaced, then synced), holes left holes."""
+    """Copies file `src` to `dst` (created or replaced, then synced), holes left holes.
+
+    Args:
+        src: the file to copy.
+        dst: where (replaced if it exists).
+    """
     with open(src, "rb") as fin, open(dst, "wb") as fout:
         size = os.fstat(fin.fileno()).st_size
         fout.truncate(size)
@@ -122,7 +166,9 @@ def copy_sparse(src, dst):
         while offset < size:
             try:
                 start = os.lseek(fin.fileno(), offset, os.SEEK_DATA)
-            except OSError:  # (ENXIO: no data past `offset`)
+            except OSError as error:
+                if error.errno != errno.ENXIO:  # (ENXIO: no data past `offset`)
+                    raise
                 break
             end = os.lseek(fin.fileno(), start, os.SEEK_HOLE)
             _copy_range(fin.fileno(), fout.fileno(), start, end - start)
@@ -135,7 +181,13 @@ def _copy_range(fin, fout, offset, length):
     """Bytes `[offset, offset + length)` of `fin` to the same place in `fout`."""
     done = 0
     while done < length:
-        n = os.copy_file_range(fin, fout, length - done, offset + done, offset + done)
+        try:
+            n = os.copy_file_range(fin, fout, length - done, offset + done, offset + done)
+        except OSError as error:  # (a file system without it: plain reads and writes)
+            if error.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            n = os.pwrite(fout, os.pread(fin, min(length - done, 1 << 24), offset + done),
+                          offset + done)
         if n == 0:
-            break
+            raise OSError(errno.EIO, f"copying a table's file stopped at byte {offset + done}")
         done += n

@@ -20,6 +20,9 @@ Values cross the host boundary as float32 (int32 for integer state), which
 holds every 16-bit value exactly: the stored dtype is the files'.
 """
 
+import logging
+import weakref
+
 import numpy as np
 from keras import ops
 
@@ -65,7 +68,16 @@ class DiskTable:
         """Opens the files and a new, empty cache over them."""
         self.files = RowFiles(self.settings.path, self.shape[0], self._columns,
                               owner=self._owner, describe=self._describe)
+        self._new_cache()
+
+    def _new_cache(self):
+        """A new, empty cache over the files, written back when the table is dropped or
+        Python exits (training outside `fit`, whose end flushes, keeps its rows)."""
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
         self.cache = RowCache(self.files, self.settings.cache_rows, self.settings.policy)
+        self._finalizer = weakref.finalize(self, _flush_at_exit, self.cache)
         # `(sorted distinct ids, {column: values})` of the last read, until the next
         # write: the optimizer's read of a step's rows is the lookups' (`_recent`).
         self._last_read = None
@@ -76,7 +88,11 @@ class DiskTable:
         return self.files.columns
 
     def carried_dtype(self, name):
-        """The dtype a column's values cross the host boundary in: float32, or int32."""
+        """The dtype a column's values cross the host boundary in: float32, or int32.
+
+        Args:
+            name: the column.
+        """
         return "int32" if "int" in self.columns[name].dtype else "float32"
 
     # -- from traced code --------------------------------------------------
@@ -191,6 +207,7 @@ class DiskTable:
         released): another table may open it then. The table is unusable after."""
         with self.cache.lock:
             self.cache.flush()
+            self._finalizer.detach()
             self.files.close()
 
     def snapshot(self):
@@ -204,14 +221,22 @@ class DiskTable:
         """Makes the table what snapshot `snapshot` holds (its files copied back, the cache
         emptied: its rows were the table's before).
 
+        Args:
+            snapshot: the snapshot's name (`snapshot`'s).
+
         Raises:
             ValueError: the snapshot is missing, incomplete, or another table's.
         """
         with self.cache.lock:
-            snapshots.restore(self.settings.path, snapshot, self.files.names, self._owner)
-            self._last_read = None
-            self.files.close()  # (its maps are of the files replaced; its lock goes too)
-            self._open()
+            try:
+                snapshots.restore(self.settings.path, snapshot, self.files.names, self._owner)
+            finally:
+                # Whatever happened, the maps follow the files there now (a restore
+                # that failed before its renames left them as they were), the lock
+                # stays, and the old cache's rows were the table's before.
+                self._last_read = None
+                self.files.reopen()
+                self._new_cache()
 
     def snapshots(self):
         """The names of the table's complete snapshots, oldest first."""
@@ -219,10 +244,24 @@ class DiskTable:
 
     def remove_snapshots(self, keep):
         """Removes all but the `keep` newest snapshots (files that refer to the others can
-        then no longer be loaded); the names removed."""
+        then no longer be loaded); the names removed.
+
+        Args:
+            keep: how many of the newest to keep.
+        """
         return snapshots.remove(self.settings.path, keep)
 
     def health(self):
         """The cache's counts so far (`RowCache.health`: hits, misses, hit rate, rows and
         bytes read from and written to the files)."""
         return self.cache.health()
+
+
+def _flush_at_exit(cache):
+    """Writes a dropped table's cache to its files (a finalizer must not raise: it logs)."""
+    try:
+        cache.flush()
+    except Exception as error:  # noqa: BLE001
+        logging.getLogger("sparseopt.disk").error(
+            "%s: its cached rows could not be written to its files when it was dropped: %s",
+            cache.files.owner, error)

@@ -117,6 +117,11 @@ def distinct(record, num_rows, workspace):
     A table without a workspace where the backend's dedup needs one (a table on
     disk, whose one entry per row would take memory in proportion to the
     table) is deduplicated without one (`distinct_without_workspace`).
+
+    Args:
+        record: the step's float32 `RowGrads`.
+        num_rows: the table's rows.
+        workspace: its dedup workspace, or None where it has none.
     """
     if workspace is None and backend.WORKSPACE:
         return distinct_without_workspace(record, num_rows)
@@ -293,6 +298,9 @@ def update_whole(updater, storage, found, finite, values, step, context=None):
 
     Their contributions are summed over the distinct rows only (padding
     entries add nothing), in as many chunks as the rows take.
+
+    Args:
+        updater, storage, found, finite, values, step, context: as for `update_rows`.
     """
     if not updater.whole_slots:
         return {}

@@ -21,13 +21,23 @@ _DISK_FORMAT = "sparseopt-disk-snapshot"
 
 
 def disk_record(snapshot, shape):
-    """The uint8 array a weights file holds for a table on disk: JSON naming its snapshot."""
+    """The uint8 array a weights file holds for a table on disk: JSON naming its snapshot.
+
+    Args:
+        snapshot: the snapshot's name.
+        shape: the table's shape.
+    """
     text = json.dumps({"format": _DISK_FORMAT, "snapshot": snapshot, "shape": list(shape)})
     return np.frombuffer(text.encode(), np.uint8)
 
 
 def snapshot_of(store, layer_name, table):
     """The snapshot a file's record names for `table` (a `DiskTable`).
+
+    Args:
+        store: the layer's entries in the file being loaded.
+        layer_name: for messages.
+        table: the layer's `DiskTable`.
 
     Raises:
         ValueError: the file holds something else (a table's values, another shape).
@@ -205,13 +215,13 @@ class SparseEmbedding(keras.layers.Layer):
         `fit` does at its end; call it before copying the folder. Nothing to
         do for a table in memory.
         """
-        if isinstance(self.embeddings, DiskTable):
+        if self.on_disk:
             self.embeddings.flush()
 
     def disk_stats(self):
         """A table on disk: its cache's counts so far (hits, misses, hit rate, rows and
         bytes read from and written to its files); None for a table in memory."""
-        if isinstance(self.embeddings, DiskTable):
+        if self.on_disk:
             return self.embeddings.health()
         return None
 
@@ -274,7 +284,7 @@ class SparseEmbedding(keras.layers.Layer):
                 self.int8.flush()
             store["0"], store["1"] = self.embeddings, self.embeddings_scale
             return
-        if isinstance(self.embeddings, DiskTable):
+        if self.on_disk:
             # The file holds the name of a snapshot of the table's files (in its folder).
             with backend.outside_trace():
                 store["0"] = disk_record(self.embeddings.snapshot(), self.embeddings.shape)
@@ -290,7 +300,7 @@ class SparseEmbedding(keras.layers.Layer):
         if self.int8 is not None:
             self._load_int8(store)
             return
-        if isinstance(self.embeddings, DiskTable):
+        if self.on_disk:
             self.embeddings.restore(snapshot_of(store, self.name, self.embeddings))
             return
         legacy = len(store.keys()) == 3 and tuple(store["1"].shape) == ()
