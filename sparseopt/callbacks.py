@@ -10,6 +10,7 @@ import keras
 from keras import ops
 
 from sparseopt import compat
+from sparseopt.disk import snapshots
 from sparseopt.disk.table import DiskTable
 from sparseopt.optimizer.dispatch import DispatchOptimizer
 from sparseopt.saving import check_one_process, fsync_path
@@ -40,6 +41,13 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         save_freq: `"epoch"` (the only exact choice, see below).
         double_checkpoint: keep the previous backup as well (twice the disk).
         delete_checkpoint: delete the backups when `fit` completes.
+
+    A model with tables on disk (`storage=OnDisk(...)`): each backup's
+    weights file names a snapshot of each table's files (docs/disk.md), and
+    the backup's metadata lists them, so the snapshots go with the backup
+    when it is replaced by a newer one or deleted at the end of `fit`. (A
+    crash in the middle of a backup can leave that backup's snapshots:
+    `layer.embeddings.remove_snapshots(keep=...)` removes them.)
 
     Keras restores the epoch, not the batch within it, so a mid-epoch backup
     (integer `save_freq`) would replay that epoch's first batches on weights
@@ -97,16 +105,22 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         partial = os.path.join(self.backup_dir, f".partial-{number:08d}")
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
+        tables = disk_tables(self.model)
+        before = [set(table.snapshots()) for table in tables]
         self.model.save_weights(os.path.join(partial, _WEIGHTS))
+        # The snapshots this save took (one per table on disk): this backup's.
+        taken = [[os.path.abspath(table.settings.path), name]
+                 for table, old in zip(tables, before)
+                 for name in table.snapshots() if name not in old]
         with open(os.path.join(partial, _METADATA), "w") as f:
-            json.dump({"epoch": self._current_epoch}, f)
+            json.dump({"epoch": self._current_epoch, "snapshots": taken}, f)
         for name in (_WEIGHTS, _METADATA, ""):
             fsync_path(os.path.join(partial, name))
         os.rename(partial, final)  # the commit point
         fsync_path(self.backup_dir)
         keep = 2 if self.double_checkpoint else 1
         for old in backups[: max(0, len(backups) + 1 - keep)]:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove_backup(old)
 
     def _remove_partial_backups(self):
         if os.path.isdir(self.backup_dir):
@@ -120,7 +134,34 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def on_train_end(self, logs=None):
         if self.delete_checkpoint:
+            for backup in self._backups():
+                _remove_backup(backup)
             shutil.rmtree(self.backup_dir, ignore_errors=True)
+
+
+def _remove_backup(folder):
+    """Removes backup `folder` and the snapshots of tables on disk its metadata lists."""
+    try:
+        with open(os.path.join(folder, _METADATA)) as f:
+            taken = json.load(f).get("snapshots", [])
+    except (OSError, ValueError):
+        taken = []
+    for path, name in taken:
+        snapshots.remove_named(path, [name])
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def disk_tables(model):
+    """The tables on disk (`DiskTable`s) of `model`'s layers.
+
+    Found through the layers: on TF the optimizer is built inside the first
+    step, after `fit`'s first callbacks ran.
+
+    Args:
+        model: a Keras model.
+    """
+    return [layer.embeddings for layer in compat.sublayers(model)
+            if isinstance(getattr(layer, "embeddings", None), DiskTable)]
 
 
 class TableHealth(keras.callbacks.Callback):
@@ -173,13 +214,8 @@ class TableHealth(keras.callbacks.Callback):
         self._disk_before = self._disk_counts()
 
     def _disk_counts(self):
-        """The counts of every table on disk's cache, summed; None without one.
-
-        Found through the model's layers: on TF the optimizer is built inside
-        the first step, after the first epoch began.
-        """
-        tables = [layer.embeddings for layer in compat.sublayers(self.model)
-                  if isinstance(getattr(layer, "embeddings", None), DiskTable)]
+        """The counts of every table on disk's cache, summed; None without one."""
+        tables = disk_tables(self.model)
         if not tables:
             return None
         stats = [table.health() for table in tables]

@@ -35,9 +35,9 @@ class RowGrads:
         changed: for an open vocabulary, the rows its lookup gave to new ids
             in this step (`sparseopt.vocabulary.Proposals`), which the
             optimizer resets if it applies the step; None otherwise.
-        read: for an int8 table, float32 `[N, width]`: each id's row as the
-            forward pass read it (the optimizer updates those: it cannot read
-            the table itself, `sparseopt.storage.int8_table`); None otherwise.
+        read: for an int8 table or a table on disk, float32 `[N, width]`: each
+            id's row as the forward pass read it (the optimizer updates those:
+            `RowStorage.reads_lookups`); None otherwise.
     """
 
     ids: Any

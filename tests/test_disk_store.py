@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 from sparseopt.disk import initial_rows
 from sparseopt.disk.initial_rows import InitialRows
 from sparseopt.disk.row_cache import RowCache
-from sparseopt.disk.row_files import CHUNK_ROWS, Column, RowFiles
+from sparseopt.disk.row_files import RESERVE_BYTES, Column, RowFiles
 
 pytestmark = pytest.mark.backend_independent
 
@@ -80,9 +80,8 @@ def test_a_billion_row_table_costs_no_disk_until_rows_are_written(tmp_path):
     before = files.read(ids)
     files.write(ids, {"rows": np.ones((3, 16), np.float32), "acc": np.ones(3),
                       "last": np.arange(3)})
-    # Three chunks of each file are reserved, no more.
-    per_chunk = CHUNK_ROWS * (16 * 4 + 4 + 4) + CHUNK_ROWS // 8
-    assert files.disk_bytes() <= 3 * per_chunk + (4 << 10) * 12
+    # A block of each file per row is reserved, no more.
+    assert files.disk_bytes() <= 3 * 4 * RESERVE_BYTES
     after = files.read(np.concatenate([ids, [7]]))
     assert np.all(after["rows"][:3] == 1) and np.all(after["last"][:3] == [0, 1, 2])
     np.testing.assert_array_equal(after["rows"][3], files.read(np.array([7]))["rows"][0])
@@ -232,10 +231,12 @@ def test_disk_is_reserved_for_every_byte_a_write_touches(tmp_path, monkeypatch):
         asked.append((os.readlink(f"/proc/self/fd/{fd}").rsplit("/", 1)[-1], offset, length))
         real(fd, offset, length)
     monkeypatch.setattr(os, "posix_fallocate", record)
-    rows = 5 * CHUNK_ROWS + 3
+    page = RESERVE_BYTES  # (the blocks reserved at once)
+    rows = 40 * page + 3
     files = make_files(tmp_path, num_rows=rows, width=5)
-    ids = np.array([0, CHUNK_ROWS - 1, 3 * CHUNK_ROWS + 17, rows - 1])
-    files.write(ids, {"rows": np.ones((4, 5)), "acc": np.ones(4), "last": np.ones(4)})
+    # Rows of 20 bytes: row `page // 20` spans two blocks of rows.bin; rows 7 and 8 share one.
+    ids = np.array([0, 7, 8, page // 20, 30 * page + 17, rows - 1])
+    files.write(ids, {"rows": np.ones((6, 5)), "acc": np.ones(6), "last": np.ones(6)})
 
     def covered(name, start, stop):
         return any(n == name and o <= start and stop <= o + n_ for n, o, n_ in asked)
@@ -245,9 +246,26 @@ def test_disk_is_reserved_for_every_byte_a_write_touches(tmp_path, monkeypatch):
         assert covered("written.bits", i // 8, i // 8 + 1)
     sizes = {n: os.stat(tmp_path / n).st_size for n, _, _ in asked}
     assert all(o + n_ <= sizes[n] for n, o, n_ in asked)
-    assert len(asked) == 3 * 4  # each of the 3 chunks once, in each of the 4 files
-    files.write(ids[:1], {"rows": np.ones((1, 5)), "acc": np.ones(1), "last": np.ones(1)})
-    assert len(asked) == 3 * 4  # reserved already
+    # Whole blocks, each once, and only blocks the rows lie on.
+    assert all(o % page == 0 for _, o, _ in asked)
+    for name, size in (("rows.bin", 20), ("acc.bin", 4), ("last.bin", 4)):
+        touched = {p for i in ids
+                   for p in range(i * size // page, ((i + 1) * size - 1) // page + 1)}
+        reserved = [p for n, o, n_ in asked if n == name
+                    for p in range(o // page, -(-(o + n_) // page))]
+        assert sorted(reserved) == sorted(touched), name
+    before = len(asked)
+    files.write(ids[:2], {"rows": np.ones((2, 5)), "acc": np.ones(2), "last": np.ones(2)})
+    assert len(asked) == before  # reserved already
+    # Rows wider than a block: every block each lies on.
+    asked.clear()
+    width = page // 4 * 3 // 2  # (float32 rows of 1.5 blocks)
+    wide = make_files(tmp_path / "wide", num_rows=10, width=width)
+    wide.write(np.array([1]), {"rows": np.ones((1, width)), "acc": np.ones(1),
+                               "last": np.ones(1)})
+    blocks = [p for n, o, n_ in asked if n == "rows.bin"
+              for p in range(o // page, -(-(o + n_) // page))]
+    assert blocks == [1, 2]  # (bytes 1.5 to 3 blocks: the second and the third)
 
 
 def test_the_cache_counts_hits_misses_and_rows_moved(tmp_path):

@@ -19,7 +19,7 @@ import pytest
 
 import sparseopt
 
-from tests.helpers import ROOT, THOROUGH, child_env, kinds
+from tests.helpers import ROOT, THOROUGH, child_env, kinds, simulated_devices
 
 if keras.backend.backend() != "jax":
     pytest.skip("keras.distribution shards variables on JAX; TensorFlow's "
@@ -41,7 +41,7 @@ SPLIT = {"rows8": 8, "rows2x4": 4, "cols2x4": 4, "data8": 1}
 def _env(devices, **extra):
     # Simulated CPU devices, also on a machine with one GPU (JAX would pick it).
     extra.setdefault("JAX_PLATFORMS", "cpu")
-    return child_env("jax", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    return child_env("jax", XLA_FLAGS=simulated_devices(devices),
                      **extra)
 
 

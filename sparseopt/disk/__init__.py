@@ -9,15 +9,20 @@ and writes a step's rows through it. The modules:
   reproducibly per row (a counter-based hash of seed, row and column), so a
   billion-row table costs nothing until rows are touched;
 - `row_files.py`: `RowFiles`, a table's rows and per-row state in
-  memory-mapped files, allocated on disk a chunk at a time as rows are first
+  memory-mapped files, allocated on disk page by page as rows are first
   written (a full disk is an error naming the table, never a crash);
 - `row_cache.py`: `RowCache`, a set-associative write-back cache of rows and
-  their state in memory, LRU or LFU, with hit and byte counts;
+  their state in memory, LRU or LFU, with hit and byte counts (NumPy);
+- `native_cache.py`: `NativeRowCache`, the same cache run by the host
+  library (`sparseopt/native/disk_host.cc`), its evicted rows staged;
+- `host_ops.py`: a batch's distinct ids, row gathers and the step's
+  numbering, native where the library is on, else NumPy;
+- `background.py`: the thread beside the step that writes a step's rows into
+  the cache and evicted rows into the files;
 - `table.py`: `DiskTable`, the files and cache of one table as a layer holds
   it, read and written from traced code through the backend's host calls;
 - `snapshots.py`: what a save holds of a table on disk: sparse, crash-safe
   copies of its files in its folder, which a load copies back.
 
-Next: a native cache and a prefetch stage, incremental snapshots, sharding
-and open vocabularies.
+Next: incremental snapshots, sharding and open vocabularies (docs/disk.md).
 """

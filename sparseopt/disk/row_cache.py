@@ -10,10 +10,12 @@ of a full set is evicted:
 - `"lfu"`: the one used least often since it was cached (ties: longest ago).
 
 Every operation is vectorized over the ids of a call (NumPy), so a step's
-cost follows its distinct ids. A row whose write-back fails (a full disk)
-stays cached and dirty, so no row already written is lost; the failing call
-raises after part of its own rows may have been cached. Reads and writes hold the cache's lock: a
-prefetch thread and a step may call it at once.
+cost follows its distinct ids; `NativeRowCache` (`native_cache.py`) does the
+same in the host library's loops, to the same state. Disk for a row is
+reserved before the row is first made dirty in the cache (`RowFiles.reserve`),
+so a full disk fails the write that would make it dirty, before anything of
+that write happened, and a write-back never needs new disk. Reads and writes
+hold the cache's lock: the thread beside the step and the step may call it at once.
 """
 
 import threading
@@ -57,9 +59,14 @@ class RowCache:
         self.last = np.zeros((self.sets, self.ways), np.int64)
         self.data = {name: np.zeros((entries,) + col.tail, files.maps[name].dtype)
                      for name, col in files.columns.items()}
-        self.tick = 0
+        self.tick = np.zeros((1,), np.int64)  # (arrays: the native cache writes them too)
+        self.counts = np.zeros((2,), np.int64)  # hits, misses
         self.lock = threading.RLock()
-        self.stats = {"hits": 0, "misses": 0}
+
+    @property
+    def stats(self):
+        """`{"hits", "misses"}` so far."""
+        return {"hits": int(self.counts[0]), "misses": int(self.counts[1])}
 
     @property
     def capacity(self):
@@ -87,8 +94,8 @@ class RowCache:
         return sets, np.argmax(match, axis=1), match.any(axis=1)
 
     def _touch(self, sets, ways):
-        self.tick += 1
-        self.last[sets, ways] = self.tick
+        self.tick[0] += 1
+        self.last[sets, ways] = self.tick[0]
         self.uses[sets, ways] = np.minimum(self.uses[sets, ways] + 1, _MAX_USES)
 
     def read(self, ids):
@@ -96,7 +103,10 @@ class RowCache:
 
         Missed rows are read from the files and cached (evicting others).
         """
-        ids = self._checked(ids)
+        return self.read_distinct(self._checked(ids))
+
+    def read_distinct(self, ids):
+        """`read` of int64 ids known to be distinct rows of the table (unchecked)."""
         with self.lock:
             sets, ways, hit = self._find(ids)
             out = {n: np.empty((ids.size,) + a.shape[1:], a.dtype) for n, a in self.data.items()}
@@ -105,8 +115,7 @@ class RowCache:
                 out[name][hit] = array[slots]
             self._touch(sets[hit], ways[hit])
             missed = np.flatnonzero(~hit)
-            self.stats["hits"] += int(hit.sum())
-            self.stats["misses"] += int(missed.size)
+            self.counts += (int(hit.sum()), int(missed.size))
             if missed.size:
                 fetched = self.files.read(ids[missed])
                 for name in out:
@@ -135,9 +144,17 @@ class RowCache:
 
         Cached rows are updated in memory (written to the files when
         evicted); others are cached with their new values.
+
+        Raises:
+            OSError: the disk has no room for rows never written before (nothing
+                of this write happened).
         """
-        ids = self._checked(ids)
+        self.write_distinct(self._checked(ids), values)
+
+    def write_distinct(self, ids, values):
+        """`write` of int64 ids known to be distinct rows of the table (unchecked)."""
         with self.lock:
+            self.files.reserve(ids)  # (before any row is dirty: see the module's doc)
             sets, ways, hit = self._find(ids)
             slots = sets[hit] * self.ways + ways[hit]
             for name, array in self.data.items():
@@ -191,6 +208,10 @@ class RowCache:
         slots = s * self.ways + w
         self.files.write(self.tags[s, w], {n: a[slots] for n, a in self.data.items()})
         self.dirty[s, w] = False
+
+    def drain(self):
+        """Writes rows evicted but not yet in the files into them (this class writes them at
+        once: nothing to do; `NativeRowCache` stages them)."""
 
     def flush(self):
         """Writes every dirty row to the files, and the files to disk."""

@@ -9,9 +9,17 @@ slot's constant).
 
 Writes go through the memory map, whose pages the kernel writes back. A page
 of a sparse file that cannot be given disk when written would kill the
-process (SIGBUS), so disk is reserved (`posix_fallocate`) a chunk of rows at
-a time before a chunk is first written: a full disk is then an `OSError`
-naming the table, raised before anything of the write happened.
+process (SIGBUS), so disk is reserved (`posix_fallocate`) for the blocks of
+`RESERVE_BYTES` (a page) a write touches, in each file, before they are
+first written: a full disk is then an `OSError` naming the table, raised
+before anything of the write happened. Rows are touched at random, so the
+block size trades disk for system calls. Page by page, the files take the
+pages of the rows touched: a 900M-row table's 14 GB after 300 steps
+(benchmarks/disk_large.py), where blocks of 1024 rows (64 KiB of float32
+rows of width 16) would have taken nearly all of its 61 GB by then; the
+price is a call for most new rows for as long as training brings new rows
+(measured: a 10M-row table's cache step, benchmarks/disk_cache.py at 5%,
+6.2 ms with 1024-row blocks, 10.4 ms page by page).
 """
 
 import fcntl
@@ -22,13 +30,14 @@ import pathlib
 
 import numpy as np
 
+from sparseopt.disk import host_ops
 from sparseopt.storage.dtypes import numpy_dtype
+
+# Disk is reserved in blocks of this many bytes of each file: a page.
+RESERVE_BYTES = mmap.PAGESIZE
 
 FORMAT = 1
 LOCK = ".lock"  # held (flock) by the one RowFiles that has the folder open
-# Rows reserved on disk at once (per file): a chunk is 64 KiB of float32 rows
-# of width 16.
-CHUNK_ROWS = 1024
 WRITTEN = "written.bits"
 
 
@@ -95,8 +104,9 @@ class RowFiles:
                 for file, (shape, dtype) in layout.items()}
         self.written = maps.pop(WRITTEN)
         self.maps = {name: maps[f"{name}.bin"] for name in self.columns}
-        chunks = (self.num_rows + CHUNK_ROWS - 1) // CHUNK_ROWS
-        self._reserved = np.zeros((chunks,), bool)  # chunks reserved in this process
+        # Per file, its blocks reserved on disk in this process.
+        self._reserved = {file: np.zeros((-(-array.nbytes // RESERVE_BYTES),), bool)
+                          for file, array in self._files()}
         self._inode = os.stat(self.path / WRITTEN).st_ino
         # Rows read from the files (never-written rows are drawn, not read) and written.
         self.rows_read = self.rows_written = 0
@@ -163,9 +173,12 @@ class RowFiles:
         fresh = ~self.is_written(ids)
         if counted:
             self.rows_read += int(ids.size - fresh.sum())
+        # Rows never written are not read from the files: a hole read through the
+        # map would take a page of memory (zeros) in the kernel's cache for each.
+        where = np.where(fresh, -1, ids)
         out = {}
         for name, col in self.columns.items():
-            values = np.array(self.maps[name][ids])
+            values = host_ops.gather(self.maps[name], where)
             if fresh.any():
                 start = col.initial(ids[fresh]) if callable(col.initial) else col.initial
                 values[fresh] = np.asarray(start).astype(values.dtype)
@@ -186,7 +199,7 @@ class RowFiles:
             raise KeyError(f"{self.owner}: a write must give every column; missing {missing}.")
         if ids.size == 0:
             return
-        self._reserve(ids)
+        self.reserve(ids)
         for name in self.columns:
             self.maps[name][ids] = values[name]
         np.bitwise_or.at(self.written, ids >> 3,
@@ -199,26 +212,38 @@ class RowFiles:
                 "bytes_read": self.rows_read * self.row_bytes,
                 "bytes_written": self.rows_written * self.row_bytes}
 
-    def _reserve(self, ids):
-        chunks = ids // CHUNK_ROWS
-        chunks = np.unique(chunks[~self._reserved[chunks]])  # (sorted only where new)
-        for chunk in chunks:
-            first = int(chunk) * CHUNK_ROWS
-            rows = min(CHUNK_ROWS, self.num_rows - first)
-            for name, array in [*self.maps.items(), (WRITTEN, self.written)]:
-                if name == WRITTEN:  # the bitmap's bytes of these rows
-                    offset, length, file = first // 8, (rows + 7) // 8, WRITTEN
-                else:
-                    size = array.itemsize * int(np.prod(array.shape[1:], dtype=np.int64))
-                    offset, length, file = first * size, rows * size, f"{name}.bin"
-                # Whole pages: the first write to a page needs all of its blocks.
-                end = min(-(-(offset + length) // mmap.PAGESIZE) * mmap.PAGESIZE,
-                          array.nbytes)
-                offset = offset // mmap.PAGESIZE * mmap.PAGESIZE
-                self._fallocate(file, offset, end - offset)
-            self._reserved[chunk] = True
+    def reserve(self, ids):
+        """Reserves disk for rows `ids` (int64, in the table): the blocks of
+        `RESERVE_BYTES` of each file that hold them, where this process has not yet.
 
-    def _fallocate(self, name, offset, length):
+        Raises:
+            OSError: the disk has no room (naming the table).
+        """
+        ids = np.asarray(ids, np.int64)
+        if ids.size == 0:
+            return
+        for file, array in self._files():
+            if file == WRITTEN:  # the bitmap's byte of each row
+                first = last = ids >> 3
+            else:
+                size = array.itemsize * int(np.prod(array.shape[1:], dtype=np.int64))
+                first, last = ids * size, ids * size + (size - 1)
+            start, stop = first // RESERVE_BYTES, last // RESERVE_BYTES
+            spans = stop - start + 1  # (a row may lie on several blocks)
+            blocks = (np.repeat(start, spans)
+                      + np.arange(int(spans.sum())) - np.repeat(np.cumsum(spans) - spans, spans))
+            reserved = self._reserved[file]
+            blocks = np.unique(blocks[~reserved[blocks]])
+            if blocks.size:
+                self._fallocate(file, blocks, array.nbytes)
+                reserved[blocks] = True
+
+    def _files(self):
+        """`(file name, its map)` of every column and of the written-rows bitmap."""
+        return [*((f"{n}.bin", a) for n, a in self.maps.items()), (WRITTEN, self.written)]
+
+    def _fallocate(self, name, blocks, nbytes):
+        """Reserves disk for sorted `blocks` of file `name` (of `nbytes`), in runs."""
         try:
             fd = os.open(self.path / name, os.O_RDWR)
         except FileNotFoundError as error:
@@ -226,7 +251,11 @@ class RowFiles:
                 f"{self.owner}: its file '{self.path / name}' disappeared; the table on disk "
                 "is incomplete. Restore the folder from a save.") from error
         try:
-            os.posix_fallocate(fd, offset, length)
+            # Consecutive blocks in one call each.
+            breaks = np.flatnonzero(np.diff(blocks) != 1) + 1
+            for run in np.split(blocks, breaks):
+                start = int(run[0]) * RESERVE_BYTES
+                os.posix_fallocate(fd, start, min(run.size * RESERVE_BYTES, nbytes - start))
         except OSError as error:
             raise OSError(error.errno,
                           f"{self.owner}: no room on disk for its rows in '{self.path}' "

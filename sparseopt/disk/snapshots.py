@@ -6,8 +6,11 @@ on disk takes a snapshot of its files in its own folder
 (`SparseEmbedding.save_own_variables`). A snapshot is taken between steps
 (Keras saves outside the train step), after the cache's dirty rows are
 written into the files, so it holds one step's end, never half of one.
-Names are numbers, one more than the highest there (the table's folder is
-locked while open, so no other writer numbers one at the same time).
+Names are numbers, each higher than every one taken before in the folder
+(`LAST` keeps the highest, so a number removed is never given again: a
+weights file naming a removed snapshot fails to load rather than load
+another); the table's folder is locked while open, so no other writer
+numbers one at the same time.
 
 Crash safety (`take`): the copy is written under a hidden name, each file
 synced, then its `complete.json` (every file's size) synced, then the folder
@@ -38,6 +41,7 @@ from sparseopt.durable import fsync_path
 
 FOLDER = "snapshots"
 COMPLETE = "complete.json"
+LAST = "last-number"  # (in FOLDER) the highest number ever taken
 _PARTIAL = ".partial-"
 
 
@@ -62,7 +66,13 @@ def take(path, names):
     for name in names:
         fsync_path(path / name)
     numbers = [int(n) for n in listed(path)]
-    snapshot = f"{max(numbers, default=0) + 1:08d}"
+    last = int((root / LAST).read_text()) if (root / LAST).exists() else 0
+    snapshot = f"{max(numbers + [last]) + 1:08d}"
+    # Recorded before the copy: a crash after it leaves the number spent, never reused.
+    tmp = root / (LAST + ".tmp")
+    tmp.write_text(str(int(snapshot)))
+    fsync_path(tmp)
+    os.replace(tmp, root / LAST)
     partial = root / (_PARTIAL + snapshot)
     partial.mkdir()
     for name in names:
@@ -150,6 +160,23 @@ def remove(path, keep):
     for name in old:
         shutil.rmtree(pathlib.Path(path) / FOLDER / name)
     return old
+
+
+def remove_named(path, names):
+    """Removes the snapshots `names` in folder `path` (those already gone are skipped); the
+    names removed.
+
+    Args:
+        path: the table's folder.
+        names: snapshot names (`take`'s).
+    """
+    removed = []
+    for name in names:
+        folder = pathlib.Path(path) / FOLDER / str(name)
+        if folder.is_dir() and not folder.name.startswith(_PARTIAL):
+            shutil.rmtree(folder)
+            removed.append(str(name))
+    return removed
 
 
 def copy_sparse(src, dst):

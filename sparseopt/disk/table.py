@@ -21,15 +21,17 @@ holds every 16-bit value exactly: the stored dtype is the files'.
 """
 
 import logging
+import threading
 import weakref
 
 import numpy as np
 from keras import ops
 
 from sparseopt import backend
-from sparseopt.disk import snapshots
+from sparseopt.disk import host_ops, snapshots
+from sparseopt.disk.background import Background
 from sparseopt.disk.initial_rows import InitialRows
-from sparseopt.disk.row_cache import RowCache
+from sparseopt.disk.native_cache import make_cache
 from sparseopt.disk.row_files import Column, RowFiles
 
 ROWS = "rows"  # the column of the table's own values
@@ -62,6 +64,12 @@ class DiskTable:
                                         spec.dtype_for(settings.state_dtype), spec.initial_value)
         self._owner, self._columns = owner, columns
         self._describe = {"initial": initial.get_config()}
+        # The host work a step need not wait for, beside it (`background.py`).
+        self._background = Background(f"sparseopt disk table {path}")
+        # Guards `_last_read` alone: the cache's lock is held by the thread beside
+        # the step while it writes evicted rows, which this read need not wait for.
+        self._recent_lock = threading.Lock()
+        self._closed = False
         self._open()
 
     def _open(self):
@@ -76,9 +84,10 @@ class DiskTable:
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
             finalizer.detach()
-        self.cache = RowCache(self.files, self.settings.cache_rows, self.settings.policy)
-        self._finalizer = weakref.finalize(self, _flush_at_exit, self.cache)
-        # `(sorted distinct ids, {column: values})` of the last read, until the next
+        self.cache = make_cache(self.files, self.settings.cache_rows, self.settings.policy)
+        self._finalizer = weakref.finalize(self, _flush_at_exit, self.cache, self._background,
+                                           self._owner)
+        # `(host_ops.Distinct, {column: values})` of the last read, until the next
         # write: the optimizer's read of a step's rows is the lookups' (`_recent`).
         self._last_read = None
 
@@ -113,6 +122,25 @@ class DiskTable:
 
         return backend.host_read(read, [ops.cast(ids, "int32")], outputs)
 
+    def number(self, ids):
+        """The step's valid ids numbered in the order of their last occurrence, on the host
+        (`sparseopt.engine.stages._Numbering`'s fields: number, ids_of, positions, count),
+        where the host library is on; else None (the step numbers them on the device).
+
+        Args:
+            ids: int32 `[N]`, the step's ids (repeats and invalid ids allowed).
+        """
+        lib = host_ops.library()  # (as the step is traced: the step keeps it)
+        if lib is None:
+            return None
+        n = ids.shape[0]
+        outputs = [((n,), "int32")] * 3 + [((), "int32")]
+
+        def number(ids):
+            return host_ops.number(np.asarray(ids), self.shape[0], lib)
+
+        return backend.host_read(number, [ops.cast(ids, "int32")], outputs)
+
     def write(self, ids, values, count=None, keep=None):
         """Writes `values` (`{column: [M, *tail]}`, as stored) of distinct rows `ids` (`[M]`).
 
@@ -139,51 +167,60 @@ class DiskTable:
     # -- on the host -------------------------------------------------------
 
     def _read_host(self, ids, names):
-        flat = ids.reshape(-1).astype(np.int64)
-        valid = (flat >= 0) & (flat < self.shape[0])
-        wanted, where = np.unique(flat[valid], return_inverse=True)
-        found = self._recent(wanted)
+        self._check_open()
+        batch = host_ops.distinct(ids, self.shape[0])  # (one read of each distinct row)
+        found = self._recent(batch.ids)
         if found is None:
-            found = self.cache.read(wanted)
-            with self.cache.lock:
-                self._last_read = (wanted, found)
+            self._background.wait()  # (the last write and evictions, applied)
+            found = self.cache.read_distinct(batch.ids)
+            with self._recent_lock:
+                self._last_read = (batch, found)
+            # The rows this read evicted reach the files while the step runs.
+            self._background.submit(self.cache.drain)
         out = []
         for name in names:
-            col = self.columns[name]
-            values = np.zeros((flat.size,) + col.tail, self.carried_dtype(name))
-            values[valid] = found[name][where].astype(values.dtype)
-            out.append(values.reshape(ids.shape + col.tail))
+            values = host_ops.gather(found[name], batch.inverse)  # (invalid ids: zeros)
+            values = values.astype(self.carried_dtype(name), copy=False)
+            out.append(values.reshape(ids.shape + self.columns[name].tail))
         return tuple(out)
 
     def _recent(self, wanted):
-        """`{column: values}` of `wanted` (sorted distinct ids) from the last read, where it
-        read them all and nothing was written since; else None."""
-        with self.cache.lock:
+        """`{column: values}` of `wanted` (distinct ids) from the last read, where it read
+        them all and nothing was written since; else None."""
+        with self._recent_lock:
             last = self._last_read
         if last is None or wanted.size == 0:
             return None
-        ids, values = last
-        at = np.minimum(np.searchsorted(ids, wanted), max(ids.size - 1, 0))
-        if ids.size == 0 or not np.array_equal(ids[at], wanted):
+        batch, values = last
+        at = batch.positions(wanted)
+        if at is None:
             return None
-        return {name: array[at] for name, array in values.items()}
+        return {name: host_ops.gather(array, at) for name, array in values.items()}
 
     def _write_host(self, ids, count, keep, values):
-        with self.cache.lock:
+        self._check_open()
+        with self._recent_lock:
             self._last_read = None  # (its values are no longer current)
-        ids = ids.astype(np.int64)
-        take = (np.arange(ids.size) < count) & keep & (ids >= 0) & (ids < self.shape[0])
-        ids, first = np.unique(ids[take], return_index=True)  # (repeats hold equal values)
-        if ids.size == 0:
+        ids = np.where((np.arange(ids.size) < count) & keep, ids.astype(np.int64), -1)
+        batch = host_ops.distinct(ids, self.shape[0])  # (repeats hold equal values)
+        if batch.ids.size == 0:
             return
-        picked = np.flatnonzero(take)[first]
-        kept = {n: np.asarray(v)[picked] for n, v in values.items()}
+        kept = {n: host_ops.gather(np.ascontiguousarray(v), batch.first)
+                for n, v in values.items()}
         missing = [n for n in self.columns if n not in kept]
         if missing:  # columns left out keep their values (a look, not a lookup: uncounted)
-            old = self.cache.peek(ids)
+            self._background.wait()
+            old = self.cache.peek(batch.ids)
             kept.update({n: old[n] for n in missing})
-        self.cache.write(ids, {n: np.asarray(kept[n]).astype(self.files.maps[n].dtype)
-                               for n in self.columns})
+        kept = {n: kept[n].astype(self.files.maps[n].dtype, copy=False) for n in self.columns}
+        cache = self.cache
+
+        def write():
+            cache.write_distinct(batch.ids, kept)
+            cache.drain()
+
+        # (Copies of the step's values: the step goes on while this runs.)
+        self._background.submit(write)
 
     # -- between steps -------------------------------------------------------
 
@@ -195,24 +232,49 @@ class DiskTable:
             column: `"rows"` or a per-row slot's name.
             ids: int row ids; None: every row (a table's worth of memory).
         """
+        self._check_open()
         ids = np.arange(self.shape[0]) if ids is None else ids
+        self._background.wait()
         return self.cache.peek(ids)[column]
 
     def flush(self):
         """Writes the cache's dirty rows to the files, and the files to disk."""
+        self._check_open()
+        self._background.wait()
         self.cache.flush()
+
+    def _check_open(self):
+        if self._closed:
+            raise ValueError(f"{self._owner}: it was closed (`close()`); its folder may be "
+                             "another table's now. Make the layer again to use it.")
 
     def close(self):
         """Writes the cache's rows to the files and lets the folder go (its lock
-        released): another table may open it then. The table is unusable after."""
-        with self.cache.lock:
-            self.cache.flush()
-            self._finalizer.detach()
-            self.files.close()
+        released): another table may open it then. The table is unusable after.
+
+        Raises:
+            OSError: a write beside the step failed (a full disk); the cache's other
+                rows were written and the folder let go all the same.
+        """
+        if self._closed:
+            return
+        try:
+            self._background.wait()
+        finally:
+            self._closed = True
+            self._background.close()
+            with self.cache.lock:
+                try:
+                    self.cache.flush()
+                finally:
+                    self._finalizer.detach()
+                    self.files.close()
 
     def snapshot(self):
         """Writes the cache's rows to the files, then copies the files into a new snapshot
         (`sparseopt.disk.snapshots.take`); its name. What a save of the table holds."""
+        self._check_open()
+        self._background.wait()
         with self.cache.lock:
             self.cache.flush()
             return snapshots.take(self.settings.path, self.files.names)
@@ -227,6 +289,11 @@ class DiskTable:
         Raises:
             ValueError: the snapshot is missing, incomplete, or another table's.
         """
+        self._check_open()
+        try:
+            self._background.wait()
+        except OSError:
+            pass  # (a write the snapshot replaces: what the table held is restored)
         with self.cache.lock:
             try:
                 snapshots.restore(self.settings.path, snapshot, self.files.names, self._owner)
@@ -254,14 +321,21 @@ class DiskTable:
     def health(self):
         """The cache's counts so far (`RowCache.health`: hits, misses, hit rate, rows and
         bytes read from and written to the files)."""
+        self._background.wait()
         return self.cache.health()
 
 
-def _flush_at_exit(cache):
-    """Writes a dropped table's cache to its files (a finalizer must not raise: it logs)."""
+def _flush_at_exit(cache, background, owner):
+    """Writes a dropped table's cache to its files and ends its thread (a finalizer must not
+    raise: it logs)."""
+    log = logging.getLogger("sparseopt.disk")
+    try:
+        background.wait()
+    except Exception as error:  # noqa: BLE001 (its other rows are written all the same)
+        log.error("%s: a write of its rows failed: %s", owner, error)
+    background.close()
     try:
         cache.flush()
     except Exception as error:  # noqa: BLE001
-        logging.getLogger("sparseopt.disk").error(
-            "%s: its cached rows could not be written to its files when it was dropped: %s",
-            cache.files.owner, error)
+        log.error("%s: its cached rows could not be written to its files when it was "
+                  "dropped: %s", owner, error)

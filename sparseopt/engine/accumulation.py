@@ -4,7 +4,8 @@ Keras accumulates a full-size gradient per variable and applies the mean of
 the k gradients on every k-th step. A table's dense gradient is the size of
 the table, so a table keeps instead the ids and row gradients of each
 micro-batch, in buffers of `k x (ids per step)` entries (never sized by the
-vocabulary), and for an int8 table the rows its lookups read too. On the
+vocabulary), and for an int8 table or a table on disk the rows its lookups
+read too. On the
 k-th micro-step the k micro-batches' rows are
 deduplicated together and their mean applied once: per row, the sum of all
 its gradients over the k micro-batches, divided by k, which is the row of
@@ -61,8 +62,9 @@ class Accumulator:
                                            dtype="float32", initializer="zeros",
                                            name=f"{prefix}_accumulated_grads")
             read = None
-            if trainer.int8 is not None:
-                # The rows each lookup read: the int8 table's rule starts from them.
+            if trainer.row_storage.reads_lookups:
+                # The rows each lookup read: the table's rule starts from them
+                # (an int8 table's, a table on disk's).
                 read = optimizer.add_variable(shape=(size, trainer.table.shape[1]),
                                               dtype="float32", initializer="zeros",
                                               name=f"{prefix}_accumulated_rows")

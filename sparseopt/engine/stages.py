@@ -36,11 +36,16 @@ class Prepared:
         distinct: the `Distinct` rows, or None.
         num_rows: the table's rows.
         workspace: the table's dedup workspace (or None).
+        numbering: how its storage numbers the step's ids, or None (`distinct`).
+        positions: where in `record` each of `distinct`'s ids occurs, where the
+            dedup gave them (a table without a workspace); else None.
     """
 
-    def __init__(self, record, finite, distinct, num_rows, workspace):
+    def __init__(self, record, finite, distinct, num_rows, workspace, numbering=None,
+                 positions=None):
         self.record, self.finite = record, finite
         self.distinct, self.num_rows, self.workspace = distinct, num_rows, workspace
+        self.numbering, self.positions = numbering, positions
         self._global = None  # `global_distinct`, once computed
 
     def global_distinct(self):
@@ -50,7 +55,8 @@ class Prepared:
         (each shard also deduplicates its own ids when it updates them).
         """
         if self.distinct is None and self._global is None:
-            self._global = distinct(self.record, self.num_rows, self.workspace)
+            self._global = distinct(self.record, self.num_rows, self.workspace,
+                                    self.numbering)
         return self.distinct if self.distinct is not None else self._global
 
     def squared_norm(self):
@@ -62,38 +68,53 @@ class Prepared:
 
     def context(self):
         """What the table's storage may read of the step (`Context`)."""
-        return Context(self.record, self.workspace, 0)
+        return Context(self.record, self.workspace, 0, self.positions)
 
 
 class Context:
     """The step as a kind of row storage may need it: the rows its lookups read.
 
     Args:
-        record: the step's `RowGrads` (whose `read` holds, for an int8
-            table, each id's row as its lookup read it).
+        record: the step's `RowGrads` (whose `read` holds, for an int8 table
+            or a table on disk, each id's row as its lookup read it).
         workspace: the dedup workspace the step was deduplicated with: it
             holds, for each distinct id, one of its positions in `record`.
         offset: the table's first id in the workspace (a group's shifted ids).
-        positions: int32 positions of the distinct ids in `record`, where the
-            dedup gave them (no workspace); else None.
+        positions: int32 positions of the distinct ids in `record`, one per
+            entry of the step's `Distinct`, where the dedup gave them (no
+            workspace); else None.
     """
 
     def __init__(self, record, workspace, offset=0, positions=None):
         self.record, self.workspace, self.offset = record, workspace, offset
         self.positions = positions
 
+    def finds(self, ids):
+        """Whether `rows_read` can find the rows of `ids`: with a workspace, any ids; with
+        `positions`, the step's whole list of distinct ids only (not a chunk of it: a
+        whole slot's sums over more rows than a chunk read theirs elsewhere)."""
+        if self.positions is None:
+            return self.workspace is not None
+        return ids.shape[0] == self.positions.shape[0]
+
     def rows_read(self, ids):
         """float32 `[M, D]`: each id's row as the step's lookups read it.
 
         Every occurrence of an id read the same row; the dedup left one of
         its positions in the workspace (or gave them, `positions`).
+
+        Raises:
+            ValueError: `finds(ids)` does not hold.
         """
+        if not self.finds(ids):
+            raise ValueError("the rows of a chunk of a step's distinct ids cannot be found "
+                             "by their positions; read them from where they are kept")
         at = (self.positions if self.positions is not None
               else backend.gather(self.workspace.value, ids + self.offset))
         return backend.gather(self.record.read, at)
 
 
-def prepare(record, num_rows, workspace=None, split=False):
+def prepare(record, num_rows, workspace=None, split=False, numbering=None):
     """Stages 1-2 of one table: its step checked and (unless `split`) deduplicated.
 
     Args:
@@ -103,15 +124,22 @@ def prepare(record, num_rows, workspace=None, split=False):
         workspace: its dedup workspace, where `backend.WORKSPACE`.
         split: the table's rows are split over devices (each shard
             deduplicates its own ids).
+        numbering: as for `distinct`.
     """
     record = record.as_float32()
     # A non-finite gradient skips the whole table for this step.
     finite = record.all_finite()
-    found = None if split else distinct(record, num_rows, workspace)
-    return Prepared(record, finite, found, num_rows, workspace)
+    found = positions = None  # (split: each shard deduplicates its own ids)
+    if split:
+        pass
+    elif workspace is None and backend.WORKSPACE:
+        found, positions = distinct_without_workspace(record, num_rows, numbering)
+    else:
+        found = distinct(record, num_rows, workspace)
+    return Prepared(record, finite, found, num_rows, workspace, numbering, positions)
 
 
-def distinct(record, num_rows, workspace):
+def distinct(record, num_rows, workspace, numbering=None):
     """Stage 2: the `Distinct` rows of `record` (by a native kernel where one applies).
 
     A table without a workspace where the backend's dedup needs one (a table on
@@ -122,18 +150,21 @@ def distinct(record, num_rows, workspace):
         record: the step's float32 `RowGrads`.
         num_rows: the table's rows.
         workspace: its dedup workspace, or None where it has none.
+        numbering: for a table without a workspace, its storage's way of
+            numbering the step's ids (`RowStorage.numbering`), or None.
     """
     if workspace is None and backend.WORKSPACE:
-        return distinct_without_workspace(record, num_rows)
+        return distinct_without_workspace(record, num_rows, numbering)[0]
     kernel = kernels.find(("distinct",), record=record, workspace=workspace)
     if kernel is not None:
         return kernel.run(record, num_rows, workspace)
     return backend.dedup(record, num_rows, workspace)
 
 
-def distinct_without_workspace(record, num_rows):
-    """The `Distinct` rows of `record` with no workspace of the table's size, the same as
-    `distinct` with one gives, bit for bit.
+def distinct_without_workspace(record, num_rows, numbering=None):
+    """`(Distinct, positions)` of `record` with no workspace of the table's size: the same
+    `Distinct` as `distinct` with one gives, bit for bit, and where in the record
+    each of its ids occurs.
 
     The step's ids are numbered by a hash of the batch (`_numbered`), the
     backend's own dedup (its kernel where one applies) runs on the numbers
@@ -147,23 +178,26 @@ def distinct_without_workspace(record, num_rows):
     Args:
         record: the step's float32 `RowGrads`.
         num_rows: the table's rows.
+        numbering: as for `_numbered`.
     """
     ids, n = _flat(record)
     scratch = backend.scratch_workspace(n)
     if scratch is None:
-        return distinct_by_hash(record, num_rows)[0]
-    numbered = _numbered(ids, n, num_rows)
+        return distinct_by_hash(record, num_rows, numbering)
+    numbered = _numbered(ids, n, num_rows, numbering)
     found = distinct(RowGrads(numbered.number, record.grads), n, scratch)
     # Numbers back to ids; the entries from `count` on are padding past the table.
-    real = ops.where(ops.less(found.ids, n),
-                     ops.take(numbered.ids_of, ops.minimum(found.ids, n - 1)),
+    number = ops.minimum(found.ids, n - 1)
+    real = ops.where(ops.less(found.ids, n), ops.take(numbered.ids_of, number),
                      num_rows + (found.ids - n))
+    positions = ops.take(numbered.positions, number)
     if num_rows >= n:  # (the dedup's own arrays, unsliced: nothing to cut)
-        return Distinct(real, found.grads, found.count)
-    return Distinct(real[:num_rows], found.grads[:num_rows], found.count)
+        return Distinct(real, found.grads, found.count), positions
+    return (Distinct(real[:num_rows], found.grads[:num_rows], found.count),
+            positions[:num_rows])
 
 
-def distinct_by_hash(record, num_rows):
+def distinct_by_hash(record, num_rows, numbering=None):
     """`(Distinct, positions)` of `record` without a workspace: the distinct valid ids,
     their summed gradients, and where in the record each last occurs.
 
@@ -179,9 +213,10 @@ def distinct_by_hash(record, num_rows):
     Args:
         record: the step's float32 `RowGrads`.
         num_rows: the table's rows.
+        numbering: as for `_numbered`.
     """
     ids, n = _flat(record)
-    numbered = _numbered(ids, n, num_rows)
+    numbered = _numbered(ids, n, num_rows, numbering)
     size = min(n, num_rows) if isinstance(n, int) else ops.minimum(n, num_rows)
     # Entries past `size` (invalid ids, and earlier occurrences' own slots) are cut off.
     segment = ops.where(ops.less(numbered.number, n), numbered.number, size)
@@ -190,8 +225,9 @@ def distinct_by_hash(record, num_rows):
     summed = ops.where(ops.equal(summed, 0.0), ops.zeros((), summed.dtype), summed)
     uniq = ops.where(ops.arange(size, dtype="int32") < numbered.count,
                      numbered.ids_of[:size], num_rows + ops.arange(size, dtype="int32"))
-    positions = numbered.positions[:size]
-    return backend.trimmed(Distinct(uniq, summed, numbered.count)), positions
+    found = backend.trimmed(Distinct(uniq, summed, numbered.count))
+    # (Cut as the backend cuts the `Distinct`: TF keeps its `count` entries only.)
+    return found, numbered.positions[:size][:ops.shape(found.ids)[0]]
 
 
 def _flat(record):
@@ -215,9 +251,21 @@ class _Numbering(NamedTuple):
     count: Any
 
 
-def _numbered(ids, n, num_rows):
+def _numbered(ids, n, num_rows, numbering=None):
     """The `_Numbering` of int32 ids `[n]` (those outside `[0, num_rows)` invalid), by a
-    hash of the batch's ids (`backend.first_occurrences`): no table-sized memory."""
+    hash of the batch's ids: no table-sized memory.
+
+    Args:
+        ids, n, num_rows: the step's ids, how many, the table's rows.
+        numbering: a function of `ids` giving the `_Numbering`'s fields, or
+            None where it has none (the host, where a table's rows are, numbers
+            them in one pass: `RowStorage.numbering`); without one, or where
+            it gives None, rounds of hashing on the device
+            (`backend.first_occurrences`), to the same numbers.
+    """
+    given = None if numbering is None else numbering(ids)
+    if given is not None:
+        return _Numbering(*given)
     valid = ops.logical_and(ops.greater_equal(ids, 0), ops.less(ids, num_rows))
     # Each id's last occurrence: its first one in the ids reversed.
     backwards = backend.first_occurrences(ops.zeros_like(ids), ops.flip(ids, 0),

@@ -276,7 +276,8 @@ class TableTrainer:
             record: as for `apply`.
         """
         return prepare(record, self.table.shape[0], self.workspace,
-                       split=backend.row_shards(self.table) is not None)
+                       split=backend.row_shards(self.table) is not None,
+                       numbering=self.row_storage.numbering)
 
     def finish(self, prepared, iteration, learning_rate_scale=1.0, factor=None):
         """Applies the updater to a `prepare`d step, counting it if skipped.

@@ -19,12 +19,22 @@ default):
   accesses; docs/benchmarks.md, "Native kernels"), but one call in place of
   a dozen kernels per table in the compiled step.
 
-and as a TensorFlow op on CPU:
+as a TensorFlow op on CPU:
 
 - `tf_dedup` (on by default): the same dedup and sum as one op on the
   workspace variable (`tf_ops.cc`), in place of the pure path's four to six
   ops, its outputs sized by the distinct ids (measured: 0.52-0.98x the pure
   step in 53 of 56 production cells, 1.02-1.12x in 3).
+
+and, for tables on disk (`sparseopt.disk`) on either backend, as a plain C
+library called from the host through ctypes:
+
+- `disk_host` (on by default): the host's share of a step on disk
+  (`disk_host.cc`): the batch's ids deduplicated and numbered, its rows found
+  in the cache or read from the files, evicted rows written back, in one pass
+  each where NumPy makes a dozen (measured: benchmarks/disk_tables.py,
+  docs/benchmarks.md). Same results as the NumPy path
+  (tests/test_disk_native.py).
 
 Rules stay `keras.ops` functions; everything else runs the pure path.
 Results equal the pure path's bit for bit (tests/test_native.py,
@@ -64,6 +74,10 @@ HERE = pathlib.Path(__file__).parent
 SOURCES = ("dedup_sum.cc", "rows.cc")
 HEADERS = ("dedup_core.h",)
 TF_SOURCES = ("tf_ops.cc",)
+HOST_SOURCES = ("disk_host.cc",)
+# The host library's functions that return a count (int64); the others return nothing.
+HOST_FUNCTIONS = ("so_unique", "so_find", "so_number", "so_cache_read", "so_cache_write",
+                  "so_cache_insert", "so_cache_flush", "so_stage_flush")
 # No FMA contraction: each product is rounded before it is added, as XLA's
 # pure path computes it.
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off", "-w")
@@ -73,14 +87,16 @@ TARGETS = {"sparseopt_dedup_sum": "SparseoptDedupSum",
            "sparseopt_put_rows": "SparseoptPutRows"}
 
 # Each kernel's default (`SPARSEOPT_NATIVE` unset): on where it was measured faster.
-DEFAULTS = {"bf16_writes": True, "dedup": True, "tf_dedup": True, "rows": True}
+DEFAULTS = {"bf16_writes": True, "dedup": True, "tf_dedup": True, "rows": True,
+            "disk_host": True}
 # Each kernel's framework (its library); the others are JAX's.
-FRAMEWORK = {"tf_dedup": "tensorflow"}
+FRAMEWORK = {"tf_dedup": "tensorflow", "disk_host": "host"}
 _FORCED = {"1": True, "0": False}
 
 _state = {"enabled": _FORCED.get(os.environ.get("SPARSEOPT_NATIVE", "")),
           "jax": {"library": None, "tried": False, "error": None},
-          "tensorflow": {"library": None, "tried": False, "error": None}}
+          "tensorflow": {"library": None, "tried": False, "error": None},
+          "host": {"library": None, "tried": False, "error": None}}
 
 
 def set_enabled(flag):
@@ -102,16 +118,16 @@ def disabled():
 
 def enabled(kernel):
     """Whether steps traced now use native kernel `kernel` (`"bf16_writes"` or `"dedup"`
-    on JAX, `"tf_dedup"` on TensorFlow): switched on (or on by default), built and
-    loaded."""
+    on JAX, `"tf_dedup"` on TensorFlow, `"disk_host"` for tables on disk on either):
+    switched on (or on by default), built and loaded."""
     flag = _state["enabled"]
     on = DEFAULTS[kernel] if flag is None else flag
     return on and available(FRAMEWORK.get(kernel, "jax"))
 
 
 def available(framework="jax"):
-    """Whether the kernels for `framework` (`"jax"` or `"tensorflow"`) are built and
-    loaded here (switched on or not)."""
+    """Whether the kernels for `framework` (`"jax"`, `"tensorflow"` or `"host"`) are
+    built and loaded here (switched on or not)."""
     return _LOADERS[framework]() is not None
 
 
@@ -119,6 +135,11 @@ def build_error(framework="jax"):
     """Why the kernels for `framework` are not available (a string), or None."""
     _LOADERS[framework]()
     return _state[framework]["error"]
+
+
+def host_library():
+    """The loaded host library (`disk_host.cc`, a ctypes `CDLL`), or None."""
+    return _load_host()
 
 
 def tf_ops():
@@ -230,6 +251,12 @@ def build_tf():
     return _compile("libsparseopt_tf_ops", TF_SOURCES, f"TensorFlow {tf.__version__}", flags)
 
 
+def build_host():
+    """Compiles the host library for tables on disk if needed; returns its path (raises
+    on failure). Plain C++, no framework headers."""
+    return _compile("libsparseopt_disk_host", HOST_SOURCES, "host", [])
+
+
 def _compile(stem, sources, version, extra):
     target = _target_dir()
     target.mkdir(parents=True, exist_ok=True)
@@ -290,6 +317,17 @@ def _load_tf():
     return _load_once(_state["tensorflow"], load, "TensorFlow ops")
 
 
+def _load_host():
+    """The loaded host library (once), or None."""
+    def load():
+        library = ctypes.cdll.LoadLibrary(str(build_host()))
+        for name in HOST_FUNCTIONS:  # (ctypes would read an int's 32 bits otherwise)
+            getattr(library, name).restype = ctypes.c_int64
+        return library
+
+    return _load_once(_state["host"], load, "host library")
+
+
 def _load_once(state, load, what):
     """`load()`'s library, tried once per process (`state` keeps it or why not)."""
     if state["tried"]:
@@ -306,4 +344,4 @@ def _load_once(state, load, what):
     return state["library"]
 
 
-_LOADERS = {"jax": _load_jax, "tensorflow": _load_tf}
+_LOADERS = {"jax": _load_jax, "tensorflow": _load_tf, "host": _load_host}

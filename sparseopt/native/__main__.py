@@ -1,15 +1,16 @@
 """`python -m sparseopt.native`: compile the native kernels now (`make env` does).
 
-The JAX kernels and the TensorFlow ops are built apart: either may fail (said
+The JAX kernels, the TensorFlow ops and the host library are built apart: either may fail (said
 here, and the pure path runs) without the other.
 """
 
 import sys
 
-from sparseopt.native import build, build_tf
+from sparseopt.native import build, build_host, build_tf
 
 failed = False
-for name, make in (("JAX kernels", build), ("TensorFlow ops", build_tf)):
+for name, make in (("JAX kernels", build), ("TensorFlow ops", build_tf),
+                     ("host library (tables on disk)", build_host)):
     try:
         print(f"{name}: {make()}")
     except Exception as e:  # noqa: BLE001 (each said, the pure path runs)

@@ -188,8 +188,9 @@ class SparseLookup:
         valid, safe_ids, update_ids = self._prepare(ids)
         read = self._read(safe_ids)
         rows = ops.where(ops.expand_dims(valid, -1), ops.cast(read, self.compute_dtype), 0.0)
-        # An int8 table's rows travel with their gradients (`RowGrads.read`).
-        kept = ops.reshape(read, (-1, self.table.shape[1])) if self.int8 is not None else None
+        # The rows of an int8 table or a table on disk travel with their gradients
+        # (`RowGrads.read`): its step starts from them (`RowStorage.reads_lookups`).
+        kept = ops.reshape(read, (-1, self.table.shape[1])) if self.beside_variables else None
         return backend.tap(rows, self.probe.value, update_ids, self._on_backward,
                            aux=(None, changed, kept), marks=self.marks_non_finite)
 

@@ -3,9 +3,10 @@
 The kind of a table given `storage=OnDisk(...)`: its rows and every
 per-row slot are columns of its files (`sparseopt.disk.table.DiskTable`,
 which its layer holds instead of a variable); whole slots (a column's or
-the table's) are optimizer variables as for any table. A step reads the
-rows and per-row state of its distinct ids from the cache, the rule runs
-in the compiled step as for rows in memory, and the new values (16-bit ones
+the table's) are optimizer variables as for any table. A step starts from
+the rows its lookups read (already in the compiled step) and reads the
+per-row state of its distinct ids from the cache, the rule runs in the
+compiled step as for rows in memory, and the new values (16-bit ones
 rounded by the same bits) are written back to the cache: the same values
 as the in-memory kind's, bit for bit.
 
@@ -27,6 +28,9 @@ class DiskRows(RowStorage):
     # Host calls read and write all of a step's distinct rows at once (never
     # inside a loop over chunks, which would call the host chunk by chunk).
     at_once = True
+    # The step's rows are those its lookups read (`RowGrads.read`), already on
+    # the device: only per-row state crosses from the host for the rule.
+    reads_lookups = True
     groups = False  # (a group's step carries its tables' variables)
     uses_workspace = False  # (one entry per row: memory in proportion to the table)
 
@@ -83,6 +87,12 @@ class DiskRows(RowStorage):
                 "another updater. Train it with the updater its layer was given.")
 
     @property
+    def numbering(self):
+        # The host, which reads the step's rows anyway, numbers its ids in one pass
+        # (where the host library is on; else the device's hash, to the same numbers).
+        return self.table.number
+
+    @property
     def per_row(self):
         return sorted(spec.name for spec in self.specs if spec.per_row)
 
@@ -94,8 +104,15 @@ class DiskRows(RowStorage):
                          "not split over devices.")
 
     def read(self, ids, context=None):
-        names = [ROWS, *self.per_row]
-        values = self.table.read(ids, names)
+        if context is None or context.record.read is None:
+            raise ValueError(f"{_named(self.table)}: its step has no rows read by its "
+                             "lookup; it can only be trained from `SparseLookup` calls.")
+        if context.finds(ids):
+            state = self.table.read(ids, self.per_row) if self.per_row else ()
+            return context.rows_read(ids), dict(zip(self.per_row, state))
+        # A chunk of the step's rows (a whole slot's sums over more than a chunk):
+        # from the host, which serves them from the lookup's read.
+        values = self.table.read(ids, [ROWS, *self.per_row])
         return values[0], dict(zip(self.per_row, values[1:]))
 
     def write(self, ids, rows, state, step, count=None, keep=None, row_stream=0,

@@ -65,6 +65,11 @@ class RowStorage:
             vocabulary: its open vocabulary, or None.
         """
 
+    # How a step's ids are numbered where the table has no dedup workspace: a
+    # function of the step's int32 ids giving `sparseopt.engine.stages._Numbering`'s
+    # fields (or None), or None: on the device, by a hash of the batch.
+    numbering = None
+
     def __init__(self, table, specs, settings, rounding, int8=None):
         self.table, self.specs, self.settings = table, tuple(specs), settings
         self.rounding, self.int8 = rounding, int8

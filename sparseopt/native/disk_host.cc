@@ -1,0 +1,365 @@
+// The host side of a table on disk (sparseopt/disk), called from Python through ctypes.
+//
+// A step of a table on disk runs on the host between its compiled parts: its
+// batch's ids deduplicated, their rows found in the cache or read from the
+// files, rows evicted written back. NumPy does this in a dozen vectorized
+// passes over the ids, each with its own temporary arrays (about 20 ms a step
+// for 13k distinct ids of 32k); these loops make one pass each. A C interface,
+// no framework headers: the library serves JAX and TensorFlow alike.
+//
+// Every function computes what its NumPy counterpart in sparseopt/disk does,
+// to the same result (tests/test_disk_native.py compares them):
+//
+// so_unique     the distinct valid ids of a batch, in first-occurrence order,
+//               each entry's index among them, and a hash index of them;
+// so_find       positions of ids in such an index;
+// so_number     the step's ids numbered in the order of their last occurrence
+//               (sparseopt.engine.stages._numbered);
+// so_gather     rows of an array by index (-1: zeros);
+// so_cache_*    RowCache's read, write and insert (set-associative, LRU/LFU),
+//               evicted dirty rows staged for so_stage_flush, which writes
+//               them into the files' memory maps.
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
+constexpr uint64_t kM1 = 0xBF58476D1CE4E5B9ull;
+constexpr uint64_t kM2 = 0x94D049BB133111EBull;
+constexpr int kTickBits = 40;
+constexpr int64_t kMaxUses = (int64_t{1} << 22) - 1;
+
+// splitmix64's gamma product and finalizer (sparseopt.disk.initial_rows.mix).
+inline uint64_t Mix(uint64_t z) {
+  z *= kGolden;
+  z = (z ^ (z >> 30)) * kM1;
+  z = (z ^ (z >> 27)) * kM2;
+  return z ^ (z >> 31);
+}
+
+// An open-addressing index of int64 keys (-1: empty) to int64 values, of a
+// power-of-two capacity the caller allocates (at least twice the keys).
+struct Index {
+  int64_t* keys;
+  int64_t* values;
+  uint64_t mask;
+
+  // The slot holding `key`, or the empty slot where it would go.
+  inline uint64_t Slot(int64_t key) const {
+    uint64_t at = Mix(static_cast<uint64_t>(key)) & mask;
+    while (keys[at] != -1 && keys[at] != key) at = (at + 1) & mask;
+    return at;
+  }
+};
+
+}  // namespace
+
+extern "C" {
+
+// Distinct ids of `ids` [n] inside [0, num_rows), in the order each first
+// occurs, into `uniq`, and where each first occurs into `first`; `inverse[i]`
+// the index of ids[i] among them (-1 where invalid). `keys`/`values` [capacity] (a power of two >= 2n) receive the
+// index of the distinct ids (key: id, value: its index), for so_find. Returns
+// how many are distinct.
+int64_t so_unique(const int64_t* ids, int64_t n, int64_t num_rows, int64_t* uniq,
+                  int64_t* first, int64_t* inverse, int64_t* keys, int64_t* values, int64_t capacity) {
+  Index index{keys, values, static_cast<uint64_t>(capacity - 1)};
+  std::memset(keys, 0xff, sizeof(int64_t) * capacity);
+  int64_t count = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t id = ids[i];
+    if (id < 0 || id >= num_rows) {
+      inverse[i] = -1;
+      continue;
+    }
+    const uint64_t at = index.Slot(id);
+    if (keys[at] == -1) {
+      keys[at] = id;
+      values[at] = count;
+      first[count] = i;
+      uniq[count++] = id;
+    }
+    inverse[i] = values[at];
+  }
+  return count;
+}
+
+// `out[k]`: the index of `wanted[k]` in an index so_unique wrote (-1 where it
+// is not there). Returns how many are not there.
+int64_t so_find(const int64_t* keys, const int64_t* values, int64_t capacity,
+                const int64_t* wanted, int64_t m, int64_t* out) {
+  Index index{const_cast<int64_t*>(keys), const_cast<int64_t*>(values),
+              static_cast<uint64_t>(capacity - 1)};
+  int64_t absent = 0;
+  for (int64_t k = 0; k < m; ++k) {
+    const uint64_t at = index.Slot(wanted[k]);
+    out[k] = keys[at] == -1 ? -1 : values[at];
+    absent += out[k] < 0;
+  }
+  return absent;
+}
+
+// The valid ids of `ids` [n] (inside [0, num_rows)) numbered 0..count-1 in the
+// order of their last occurrence: `number[i]` each entry's id's number (n
+// where invalid), `ids_of[k]` / `positions[k]` the id and last position of
+// number k (0 from count on). Returns count.
+int64_t so_number(const int32_t* ids, int64_t n, int64_t num_rows, int32_t* number,
+                  int32_t* ids_of, int32_t* positions) {
+  uint64_t capacity = 2;
+  while (capacity < 2 * static_cast<uint64_t>(n)) capacity <<= 1;
+  std::vector<int64_t> keys(capacity, -1), values(capacity, 0);
+  Index index{keys.data(), values.data(), capacity - 1};
+  std::vector<uint64_t> where(n);
+  for (int64_t i = 0; i < n; ++i) {  // each id's last position
+    if (ids[i] < 0 || ids[i] >= num_rows) continue;
+    where[i] = index.Slot(ids[i]);
+    keys[where[i]] = ids[i];
+    values[where[i]] = i;
+  }
+  std::memset(ids_of, 0, sizeof(int32_t) * n);
+  std::memset(positions, 0, sizeof(int32_t) * n);
+  int32_t count = 0;
+  for (int64_t i = 0; i < n; ++i) {  // numbered at their last position, in order
+    if (ids[i] < 0 || ids[i] >= num_rows) continue;
+    if (values[where[i]] == i) {
+      ids_of[count] = ids[i];
+      positions[count] = static_cast<int32_t>(i);
+      values[where[i]] = -1 - int64_t{count};  // (now: the number, as -1 - k)
+      ++count;
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const bool valid = ids[i] >= 0 && ids[i] < num_rows;
+    number[i] = valid ? static_cast<int32_t>(-1 - values[where[i]]) : static_cast<int32_t>(n);
+  }
+  return count;
+}
+
+// out[k] = src[index[k]] (rows of `row_bytes`), zeros where index[k] < 0.
+void so_gather(const uint8_t* src, int64_t row_bytes, const int64_t* index, int64_t m,
+               uint8_t* out) {
+  for (int64_t k = 0; k < m; ++k) {
+    if (index[k] < 0) {
+      std::memset(out + k * row_bytes, 0, row_bytes);
+    } else {
+      std::memcpy(out + k * row_bytes, src + index[k] * row_bytes, row_bytes);
+    }
+  }
+}
+
+// A RowCache's arrays (NumPy's, which Python keeps alive), its files' maps,
+// and its counters. Mirrored by sparseopt.disk.native_cache._Cache.
+struct SoCache {
+  int64_t* tags;      // [sets * ways] row id, -1: empty
+  uint8_t* dirty;     // [sets * ways]
+  int64_t* last;      // [sets * ways] tick of last use
+  int64_t* uses;      // [sets * ways]
+  int64_t* rounds;    // [sets] zeros between calls (a call's per-set counter)
+  int64_t sets, ways, lfu;
+  int64_t columns;
+  uint8_t** data;     // [columns] the cache's rows, [sets * ways] rows each
+  int64_t* row_bytes; // [columns]
+  uint8_t** files;    // [columns] the files' maps, [num_rows] rows each
+  uint8_t* written;   // the files' written-rows bitmap
+  int64_t* tick;      // [1]
+  int64_t* counts;    // [2] hits, misses
+  // Where evicted dirty rows wait for the files (so_stage_flush), or null
+  // (written into the files at once): a call's evictions are then copied one
+  // after another into memory at hand, and their scattered writes into the
+  // files' maps are left to a thread beside the step.
+  int64_t* stage_ids;    // [stage_capacity]
+  uint8_t** stage;       // [columns] rows, [stage_capacity] each
+  int64_t stage_capacity;
+  int64_t* staged;       // [1] how many wait
+};
+
+namespace {
+
+inline int64_t SetOf(const SoCache& c, int64_t id) {
+  return static_cast<int64_t>(Mix(static_cast<uint64_t>(id)) % static_cast<uint64_t>(c.sets));
+}
+
+// How many ids ahead a loop asks for the cache lines it will need: the sets
+// of a call's ids are scattered over the cache, and loads of the next ids' sets
+// overlap the work on this one (measured: benchmarks/disk_tables.py).
+constexpr int64_t kAhead = 8;
+
+// Asks for the lines of the set of `id`: its tags, and its ticks.
+inline void Prefetch(const SoCache& c, int64_t id) {
+  const int64_t base = SetOf(c, id) * c.ways;
+  __builtin_prefetch(c.tags + base);
+  __builtin_prefetch(c.last + base);
+}
+
+// The entry holding `id`, or -1.
+inline int64_t Find(const SoCache& c, int64_t id) {
+  const int64_t base = SetOf(c, id) * c.ways;
+  for (int64_t w = 0; w < c.ways; ++w) {
+    if (c.tags[base + w] == id) return base + w;
+  }
+  return -1;
+}
+
+inline void Touch(SoCache& c, int64_t entry, int64_t tick) {
+  c.last[entry] = tick;
+  c.uses[entry] = c.uses[entry] + 1 < kMaxUses ? c.uses[entry] + 1 : kMaxUses;
+}
+
+// The entry of set `set` to evict: an empty one first, else the smallest key
+// (LRU: last use; LFU: uses, then last use), the first of equals.
+inline int64_t Victim(const SoCache& c, int64_t set) {
+  const int64_t base = set * c.ways;
+  int64_t best = base, best_key = 0;
+  for (int64_t w = 0; w < c.ways; ++w) {
+    const int64_t e = base + w;
+    const int64_t key = c.tags[e] < 0 ? -1
+                        : c.lfu ? (c.uses[e] << kTickBits) | c.last[e] : c.last[e];
+    if (w == 0 || key < best_key) {
+      best = e;
+      best_key = key;
+    }
+  }
+  return best;
+}
+
+// Writes row `id` (`rows[k]`: its values per column, at row `at`) into the
+// files (its pages of disk reserved when the row was first made dirty: see
+// RowFiles.reserve) and marks it written.
+inline void ToFiles(const SoCache& c, int64_t id, uint8_t* const* rows, int64_t at) {
+  for (int64_t k = 0; k < c.columns; ++k) {
+    std::memcpy(c.files[k] + id * c.row_bytes[k], rows[k] + at * c.row_bytes[k],
+                c.row_bytes[k]);
+  }
+  c.written[id >> 3] |= static_cast<uint8_t>(1u << (id & 7));
+}
+
+// Entry `e`'s dirty row, evicted: into the stage where the cache has one (its
+// caller made room), else into the files.
+inline void WriteBack(SoCache& c, int64_t e) {
+  const int64_t id = c.tags[e];
+  if (c.stage_ids != nullptr) {
+    const int64_t s = (*c.staged)++;
+    c.stage_ids[s] = id;
+    for (int64_t k = 0; k < c.columns; ++k) {
+      std::memcpy(c.stage[k] + s * c.row_bytes[k], c.data[k] + e * c.row_bytes[k],
+                  c.row_bytes[k]);
+    }
+  } else {
+    ToFiles(c, id, c.data, e);
+  }
+  c.dirty[e] = 0;
+}
+
+// The entries holding distinct `ids` [m], touched: each row copied from the
+// cache into `rows` (per column, row k for ids[k]), or, `writing`, from `rows`
+// into the cache, marked dirty; the indices of uncached ids into `missed`.
+// Returns how many were uncached.
+int64_t Hits(SoCache& c, const int64_t* ids, int64_t m, uint8_t** rows, int64_t* missed,
+             bool writing) {
+  const int64_t tick = ++*c.tick;
+  int64_t count = 0;
+  for (int64_t k = 0; k < m; ++k) {
+    if (k + kAhead < m) Prefetch(c, ids[k + kAhead]);
+    const int64_t e = Find(c, ids[k]);
+    if (e < 0) {
+      missed[count++] = k;
+      continue;
+    }
+    for (int64_t j = 0; j < c.columns; ++j) {
+      uint8_t* cached = c.data[j] + e * c.row_bytes[j];
+      uint8_t* given = rows[j] + k * c.row_bytes[j];
+      std::memcpy(writing ? cached : given, writing ? given : cached, c.row_bytes[j]);
+    }
+    if (writing) c.dirty[e] = 1;
+    Touch(c, e, tick);
+  }
+  return count;
+}
+
+}  // namespace
+
+// The cached rows of distinct `ids` [m] copied into `out` (per column, row k
+// for ids[k]) and touched; the indices of the others into `missed`. Returns how
+// many missed.
+int64_t so_cache_read(SoCache* cache, const int64_t* ids, int64_t m, uint8_t** out,
+                      int64_t* missed) {
+  const int64_t count = Hits(*cache, ids, m, out, missed, false);
+  cache->counts[0] += m - count;
+  cache->counts[1] += count;
+  return count;
+}
+
+// Writes `values` (per column, row k for ids[k]) of distinct cached `ids`
+// [m], marking them dirty; the indices of uncached ones into `missed`.
+// Returns how many are uncached.
+int64_t so_cache_write(SoCache* cache, const int64_t* ids, int64_t m, uint8_t** values,
+                       int64_t* missed) {
+  return Hits(*cache, ids, m, values, missed, true);
+}
+
+// Caches distinct uncached rows `ids[at[k]]` (k < m) with values row `at[k]`
+// of `values` (per column), dirty or not, evicting others (dirty ones staged,
+// or written into the files where the cache has no stage). Rows of one set are
+// placed in their order, each in a round of its own (round r ticks once after
+// round r-1), as RowCache._insert. Returns how many rows were written into the
+// files, or -1, changing nothing, where the stage has no room for m more (a row
+// written into the files past a full stage would be overwritten by an older
+// staged copy of it when the stage drains).
+int64_t so_cache_insert(SoCache* cache, const int64_t* ids, const int64_t* at, int64_t m,
+                        uint8_t** values, int64_t dirty) {
+  SoCache& c = *cache;
+  if (c.stage_ids != nullptr && *c.staged + m > c.stage_capacity) return -1;
+  const int64_t base = *c.tick;
+  int64_t rounds = 0, written = 0;
+  for (int64_t k = 0; k < m; ++k) {
+    if (k + kAhead < m) Prefetch(c, ids[at[k + kAhead]]);
+    const int64_t row = at[k], set = SetOf(c, ids[row]);
+    const int64_t round = c.rounds[set]++;
+    rounds = round + 1 > rounds ? round + 1 : rounds;
+    const int64_t e = Victim(c, set);
+    if (c.tags[e] >= 0 && c.dirty[e]) {
+      written += c.stage_ids == nullptr;
+      WriteBack(c, e);
+    }
+    for (int64_t j = 0; j < c.columns; ++j) {
+      std::memcpy(c.data[j] + e * c.row_bytes[j], values[j] + row * c.row_bytes[j],
+                  c.row_bytes[j]);
+    }
+    c.tags[e] = ids[row];
+    c.dirty[e] = static_cast<uint8_t>(dirty != 0);
+    c.uses[e] = 0;
+    Touch(c, e, base + round + 1);
+  }
+  for (int64_t k = 0; k < m; ++k) c.rounds[SetOf(c, ids[at[k]])] = 0;
+  *c.tick = base + rounds;
+  return written;
+}
+
+// Writes the staged rows into the files, in the order they were staged (where
+// a row was staged twice, the files keep its later values). Returns how many.
+int64_t so_stage_flush(SoCache* cache) {
+  SoCache& c = *cache;
+  const int64_t count = *c.staged;
+  for (int64_t s = 0; s < count; ++s) ToFiles(c, c.stage_ids[s], c.stage, s);
+  *c.staged = 0;
+  return count;
+}
+
+// Writes every dirty row back into the files. Returns how many.
+int64_t so_cache_flush(SoCache* cache) {
+  SoCache& c = *cache;
+  int64_t written = 0;
+  for (int64_t e = 0; e < c.sets * c.ways; ++e) {
+    if (c.tags[e] >= 0 && c.dirty[e]) {
+      ToFiles(c, c.tags[e], c.data, e);
+      c.dirty[e] = 0;
+      ++written;
+    }
+  }
+  return written;
+}
+
+}  // extern "C"

@@ -1,0 +1,227 @@
+"""The host library of tables on disk (`sparseopt/native/disk_host.cc`) against NumPy.
+
+Each native pass must give what its NumPy path gives (`sparseopt.disk.host_ops`,
+`RowCache`), which is written independently as vectorized NumPy: the same
+distinct ids, the same numbers, the same cache state array for array (tags,
+dirty flags, uses, ticks, counts), the same files. The step's numbering is
+checked against the device's own (`stages._numbered` without the host). These
+call the host modules directly: they are the units `fit` runs through on a
+table on disk (tests/test_disk_tables.py trains through `fit`, with this
+library on, as users do).
+"""
+
+import errno
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from keras import ops
+
+from sparseopt import native
+from sparseopt.disk import host_ops
+from sparseopt.disk.background import Background
+from sparseopt.disk.native_cache import NativeRowCache, make_cache
+from sparseopt.disk.row_cache import RowCache
+from sparseopt.disk.row_files import Column, RowFiles
+from sparseopt.engine import stages
+from sparseopt.storage.dtypes import numpy_dtype
+
+# (Host code: once, in the TensorFlow session, but for the numbering, which is
+# checked against each backend's device numbering.)
+independent = pytest.mark.backend_independent
+
+
+def make_files(path, num_rows=40):
+    return RowFiles(path, num_rows, {
+        "rows": Column((3,), "float32", lambda ids: np.outer(ids, [1.0, -1.0, 0.5])),
+        "acc": Column((), "bfloat16", 0.1), "last": Column((), "int32", 0)}, owner="emb/t")
+
+
+@independent
+def test_the_host_library_builds_loads_and_is_on_by_default():
+    """On Linux with a C++ compiler (this project's machines) it must: a broken build
+    would otherwise only show as a slower table on disk."""
+    assert native.build_error("host") is None and native.enabled("disk_host")
+    assert host_ops.library() is not None
+    with native.disabled():
+        assert host_ops.library() is None
+
+
+ids_lists = st.lists(st.integers(-3, 45), max_size=200)
+
+
+@independent
+@settings(max_examples=60, deadline=None)
+@given(ids=ids_lists, wanted=ids_lists)
+def test_distinct_ids_and_their_positions_are_numpys(ids, wanted):
+    ids, wanted = np.array(ids, np.int64), np.array(wanted, np.int64)
+    mine = host_ops.distinct(ids, 40)
+    with native.disabled():
+        numpy_ = host_ops.distinct(ids, 40)
+    for name in ("ids", "first", "inverse"):
+        np.testing.assert_array_equal(getattr(mine, name), getattr(numpy_, name))
+    # (first-occurrence order, checked against the definition too)
+    valid = ids[(ids >= 0) & (ids < 40)]
+    assert list(mine.ids) == list(dict.fromkeys(valid.tolist()))
+    found, numpy_found = mine.positions(wanted), numpy_.positions(wanted)
+    assert (found is None) == (numpy_found is None)
+    if found is not None:
+        np.testing.assert_array_equal(found, numpy_found)
+
+
+@independent
+@settings(max_examples=40, deadline=None)
+@given(index=st.lists(st.integers(-1, 9), max_size=50),
+       dtype=st.sampled_from(["float32", "bfloat16", "int32"]))
+def test_gather_is_numpys(index, dtype):
+    source = np.arange(10 * 3).reshape(10, 3).astype(numpy_dtype(dtype))
+    index = np.array(index, np.int64)
+    mine = host_ops.gather(source, index)
+    with native.disabled():
+        numpy_ = host_ops.gather(source, index)
+    np.testing.assert_array_equal(mine.view(np.uint8), numpy_.view(np.uint8))
+
+
+@settings(max_examples=40, deadline=None)
+@given(ids=st.lists(st.integers(-2, 30), min_size=1, max_size=120),
+       num_rows=st.sampled_from([1, 7, 25]))
+def test_the_hosts_numbering_is_the_devices(ids, num_rows):
+    ids = np.array(ids, np.int32)
+    n = ids.size
+    host = host_ops.number(ids, num_rows, native.host_library())
+    device = stages._numbered(ops.convert_to_tensor(ids), n, num_rows)
+    for mine, theirs in zip(host, device):
+        np.testing.assert_array_equal(mine, ops.convert_to_numpy(theirs))
+
+
+cache_ops = st.lists(st.tuples(st.sampled_from(["read", "write", "drain", "flush", "peek"]),
+                               st.lists(st.integers(0, 39), min_size=1, max_size=12,
+                                        unique=True),
+                               st.integers(0, 2**16)), min_size=1, max_size=25)
+
+
+@independent
+@settings(max_examples=60, deadline=None)
+@given(ops_=cache_ops, cache_rows=st.sampled_from([1, 3, 8, 16]),
+       ways=st.sampled_from([1, 2, 4]), policy=st.sampled_from(["lru", "lfu"]))
+def test_the_native_cache_changes_what_numpys_changes(tmp_path_factory, ops_, cache_rows,
+                                                      ways, policy):
+    lib = native.host_library()
+    caches = [RowCache(make_files(tmp_path_factory.mktemp("numpy")), cache_rows, policy, ways),
+              NativeRowCache(make_files(tmp_path_factory.mktemp("native")), cache_rows,
+                             policy, ways, lib=lib)]
+    for op, ids, seed in ops_:
+        ids = np.array(ids)
+        rng = np.random.default_rng(seed)
+        values = {"rows": rng.normal(size=(len(ids), 3)).astype(np.float32),
+                  "acc": rng.uniform(size=len(ids)), "last": rng.integers(0, 9, len(ids))}
+        results = []
+        for cache in caches:
+            if op == "read":
+                results.append(cache.read(ids))
+            elif op == "peek":
+                results.append(cache.peek(ids))
+            elif op == "write":
+                cache.write(ids, {n: v.astype(cache.data[n].dtype) for n, v in values.items()})
+            else:
+                getattr(cache, op)()
+        for mine, numpy_ in zip(results[1:], results[:1]):
+            for name in numpy_:
+                np.testing.assert_array_equal(mine[name], numpy_[name])
+        numpy_cache, native_cache = caches
+        for name in ("tags", "dirty", "last", "uses", "tick", "counts"):
+            np.testing.assert_array_equal(getattr(native_cache, name),
+                                          getattr(numpy_cache, name), err_msg=name)
+        for name in numpy_cache.data:
+            np.testing.assert_array_equal(native_cache.data[name], numpy_cache.data[name])
+    for cache in caches:
+        cache.flush()
+    every = np.arange(40)
+    numpy_files, native_files = (c.files.read(every, counted=False) for c in caches)
+    for name in numpy_files:
+        np.testing.assert_array_equal(native_files[name], numpy_files[name])
+    np.testing.assert_array_equal(caches[1].files.written, caches[0].files.written)
+    assert caches[1].files.counts() == caches[0].files.counts()
+    for cache in caches:
+        cache.files.close()
+
+
+@independent
+def test_a_staged_row_is_read_back_from_the_stage_never_stale_files(tmp_path):
+    """An evicted dirty row waits in the stage until drained; a miss of it must not read
+    the files' old values."""
+    cache = NativeRowCache(make_files(tmp_path), cache_rows=1, ways=1,
+                           lib=native.host_library())
+    new = {"rows": np.full((1, 3), 7.0, np.float32),
+           "acc": np.full((1,), 2.0, cache.data["acc"].dtype), "last": np.full((1,), 5, np.int32)}
+    cache.write(np.array([3]), new)
+    cache.read(np.array([4]))  # evicts 3 (dirty) into the stage
+    assert cache._staged[0] == 1 and not cache.files.is_written(np.array([3]))[0]
+    got = cache.read(np.array([3]))  # a miss: the stage is drained first
+    np.testing.assert_array_equal(got["rows"], new["rows"])
+    assert got["last"][0] == 5 and cache.files.is_written(np.array([3]))[0]
+
+
+@independent
+def test_a_full_disk_fails_the_write_that_dirties_a_row_before_anything_changes(
+        tmp_path, monkeypatch):
+    for native_on in (True, False):
+        folder = tmp_path / str(native_on)
+        if native_on:
+            cache = make_cache(make_files(folder), 8)
+        else:
+            with native.disabled():
+                cache = make_cache(make_files(folder), 8)
+        assert isinstance(cache, NativeRowCache) == native_on
+        before = {n: getattr(cache, n).copy() for n in ("tags", "dirty", "last", "tick")}
+
+        def no_room(fd, offset, length):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        with monkeypatch.context() as patched:
+            patched.setattr(os, "posix_fallocate", no_room)
+            with pytest.raises(OSError, match="emb/t: no room on disk"):
+                cache.write(np.array([1, 2]), {
+                    "rows": np.zeros((2, 3), np.float32),
+                    "acc": np.zeros((2,), cache.data["acc"].dtype),
+                    "last": np.zeros((2,), np.int32)})
+        for name, value in before.items():
+            np.testing.assert_array_equal(getattr(cache, name), value)
+        cache.files.close()
+
+
+@independent
+def test_a_failed_background_job_is_raised_by_the_next_wait_and_later_jobs_still_run():
+    background, ran = Background("t"), []
+
+    def fails():
+        raise OSError(errno.ENOSPC, "Table 't': no room on disk")
+    background.submit(lambda: ran.append(1))
+    background.submit(fails)
+    background.submit(lambda: ran.append(3))
+    with pytest.raises(OSError, match="no room on disk"):
+        background.wait()
+    assert ran == [1, 3]
+    background.wait()  # (raised once)
+
+
+@independent
+def test_the_thread_beside_the_step_keeps_nothing_of_a_job_once_it_ran():
+    """A job holds a table's cache and files (their folder's lock): once run, nothing of
+    it may stay reachable from the thread, or a dropped table would keep its folder."""
+    import gc
+    import weakref
+
+    class Held:
+        pass
+
+    background, held = Background("t"), Held()
+    gone = weakref.ref(held)
+    background.submit(lambda held=held: None)
+    background.wait()
+    del held
+    gc.collect()
+    assert gone() is None
+    background.close()
+    background.submit(lambda: None)  # (a new thread, after close)
+    background.wait()
