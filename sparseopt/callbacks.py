@@ -125,8 +125,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     def _remove_partial_backups(self):
         if os.path.isdir(self.backup_dir):
             for name in os.listdir(self.backup_dir):
-                if name.startswith(".partial-"):
-                    shutil.rmtree(os.path.join(self.backup_dir, name), ignore_errors=True)
+                if name.startswith(".partial-"):  # (with snapshots its metadata lists)
+                    _remove_backup(os.path.join(self.backup_dir, name))
 
     def on_train_begin(self, logs=None):
         check_one_process("sparseopt.callbacks.BackupAndRestore")

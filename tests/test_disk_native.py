@@ -223,5 +223,5 @@ def test_the_thread_beside_the_step_keeps_nothing_of_a_job_once_it_ran():
     gc.collect()
     assert gone() is None
     background.close()
-    background.submit(lambda: None)  # (a new thread, after close)
-    background.wait()
+    with pytest.raises(RuntimeError, match="closed"):
+        background.submit(lambda: None)

@@ -257,15 +257,15 @@ def test_disk_is_reserved_for_every_byte_a_write_touches(tmp_path, monkeypatch):
     before = len(asked)
     files.write(ids[:2], {"rows": np.ones((2, 5)), "acc": np.ones(2), "last": np.ones(2)})
     assert len(asked) == before  # reserved already
-    # Rows wider than a block: every block each lies on.
+    # Rows wider than a block: every block each lies on, the middle ones too.
     asked.clear()
-    width = page // 4 * 3 // 2  # (float32 rows of 1.5 blocks)
+    width = page // 4 * 5 // 2  # (float32 rows of 2.5 blocks)
     wide = make_files(tmp_path / "wide", num_rows=10, width=width)
     wide.write(np.array([1]), {"rows": np.ones((1, width)), "acc": np.ones(1),
                                "last": np.ones(1)})
     blocks = [p for n, o, n_ in asked if n == "rows.bin"
               for p in range(o // page, -(-(o + n_) // page))]
-    assert blocks == [1, 2]  # (bytes 1.5 to 3 blocks: the second and the third)
+    assert blocks == [2, 3, 4]  # (bytes 2.5 to 5 blocks)
 
 
 def test_the_cache_counts_hits_misses_and_rows_moved(tmp_path):

@@ -9,7 +9,9 @@ cache far smaller than the table so that rows are evicted and read back.
 """
 
 import dataclasses
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -561,8 +563,12 @@ def test_a_process_killed_anywhere_resumes_from_its_backup_bit_for_bit(tmp_path,
     # written into the files (part of them there): the live files are left mid-step;
     # the next process restores the last complete backup and ends where a run never
     # killed ends.
+    from sparseopt.disk import snapshots
+
     _kill_job(tmp_path, point)
     assert not (tmp_path / "final.npz").exists()
+    if point == "save":  # (the snapshot it was copying is not listed; the first backup's is)
+        assert snapshots.listed(tmp_path / "t") == ["00000001"]
     _kill_job(tmp_path, "run")
     got = np.load(tmp_path / "final.npz")
     for name in ("rows", "accumulator"):
@@ -604,7 +610,8 @@ def test_odd_batches_train_a_table_on_disk_as_in_memory(tmp_path):
 @at_default_flags
 def test_a_whole_slot_summed_in_chunks_trains_on_disk_as_in_memory(tmp_path):
     # More distinct ids in a step than a chunk of the step's rows (JAX sums a whole
-    # slot's contributions chunk by chunk): factored Adafactor's column statistics.
+    # slot's contributions chunk by chunk; TF in one pass): factored Adafactor's column
+    # statistics. (Its whole slot `vc` is checked through the rows and `vr` it steers.)
     from sparseopt.backend import jax_distinct
 
     rows, distinct = 12_000, jax_distinct.DISTINCT_CHUNK + 500
@@ -631,6 +638,44 @@ def test_a_whole_slot_summed_in_chunks_trains_on_disk_as_in_memory(tmp_path):
     np.testing.assert_array_equal(d.embeddings.numpy(), to_np(m.embeddings))
     state = memory.optimizer.table_state(m.embeddings)
     np.testing.assert_array_equal(d.embeddings.numpy("vr"), to_np(state["vr"]))
+
+
+def test_a_full_disk_stops_training_naming_the_table_until_a_load(tmp_path, monkeypatch,
+                                                                 caplog):
+    # The step's write into the cache runs beside the step: its failure (no room for
+    # rows never written) stops `fit` at the table's next read, naming the table; the
+    # table then refuses to go on without that step's rows, until a load replaces them.
+    import errno
+
+    from sparseopt.disk.row_files import RowFiles
+
+    model, layer = _saved_model(tmp_path / "t")
+    x, y = _data(1)
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    model.save_weights(tmp_path / "w.weights.h5")
+    saved = layer.embeddings.numpy().copy()
+
+    def no_room(files, ids):  # (this table's 40 rows share a page, reserved already)
+        raise OSError(errno.ENOSPC, f"{files.owner}: no room on disk for its rows")
+    with monkeypatch.context() as patched, caplog.at_level(logging.ERROR):
+        patched.setattr(RowFiles, "reserve", no_room)
+        with pytest.raises(Exception) as raised:
+            model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    # TF raises the host call's error; JAX logs it and raises its own (the step's
+    # donated arrays are gone: a JAX model is loaded again after any failed step).
+    said = str(raised.value) + caplog.text
+    assert re.search("t0/embeddings.*no room on disk", said), said[-2000:]
+    if keras.backend.backend() == "tensorflow":
+        with pytest.raises(Exception, match="t0/embeddings.*lacks that step's rows"):
+            model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    with pytest.raises(RuntimeError, match="t0/embeddings.*lacks that step's rows"):
+        layer.embeddings.snapshot()  # (a save would hold a table without the step)
+    if keras.backend.backend() == "jax":  # (a model again, its table on the same folder)
+        layer.embeddings.close()
+        model, layer = _saved_model(tmp_path / "t")
+    model.load_weights(tmp_path / "w.weights.h5")
+    np.testing.assert_array_equal(layer.embeddings.numpy(), saved)
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
 
 
 def test_a_save_that_dies_midway_leaves_the_last_snapshot_whole(tmp_path, monkeypatch):

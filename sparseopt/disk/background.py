@@ -15,6 +15,7 @@ evicted before it still reach the files.
 
 import collections
 import threading
+import traceback
 
 
 class Background:
@@ -31,10 +32,21 @@ class Background:
         self._error = None
         self._ready = threading.Condition()
         self._thread = None
+        self._closed = False
+
+    def on_its_thread(self):
+        """Whether the caller is this object's thread (running one of its jobs)."""
+        return threading.current_thread() is self._thread
 
     def submit(self, job):
-        """Runs `job` after the jobs submitted before it, on the thread."""
+        """Runs `job` after the jobs submitted before it, on the thread.
+
+        Raises:
+            RuntimeError: after `close`.
+        """
         with self._ready:
+            if self._closed:
+                raise RuntimeError(f"{self.name}: closed; no more work is taken")
             self._jobs.append(job)
             self._pending += 1
             if self._thread is None:
@@ -56,6 +68,8 @@ class Background:
             try:
                 job()
             except BaseException as error:  # noqa: BLE001 (kept for `wait`)
+                # (Its frames would keep the job's table alive until then.)
+                traceback.clear_frames(error.__traceback__)
                 with self._ready:
                     self._error = self._error or error
             finally:
@@ -68,9 +82,10 @@ class Background:
 
     def close(self):
         """Ends the thread once the jobs submitted have run (a failed one is still raised by
-        the next `wait`); a later `submit` starts a new one."""
+        the next `wait`); no job is taken after (`submit` raises)."""
         with self._ready:
-            while self._pending:
+            self._closed = True
+            while self._pending and not self.on_its_thread():  # (a job closing: no wait)
                 self._ready.wait()
             if self._thread is not None:
                 self._jobs.append(None)  # (the thread's last: no job is left to race it)
@@ -79,7 +94,13 @@ class Background:
 
     def wait(self):
         """Returns when every job submitted has run; raises the first that failed since the
-        last `wait` (once)."""
+        last `wait` (once).
+
+        Raises:
+            RuntimeError: called from a job (it would wait for itself).
+        """
+        if self.on_its_thread():
+            raise RuntimeError(f"{self.name}: a job cannot wait for the jobs (itself too)")
         with self._ready:
             while self._pending:
                 self._ready.wait()

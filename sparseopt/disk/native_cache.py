@@ -161,7 +161,7 @@ class NativeRowCache(RowCache):
             ctypes.c_int64(at.size), columns, ctypes.c_int64(int(dirty))))
         if written < 0:
             raise RuntimeError(f"{self.files.owner}: the cache's stage had no room for the "
-                               "rows it evicts (nothing changed)")
+                               "rows it would evict (none was cached)")
         self.files.rows_written += written
 
     def flush(self):

@@ -70,6 +70,9 @@ class DiskTable:
         # the step while it writes evicted rows, which this read need not wait for.
         self._recent_lock = threading.Lock()
         self._closed = False
+        # The first failure of the work beside the step (a full disk): the table lacks
+        # that step's rows, so it refuses to go on until a load replaces them.
+        self._failed = None
         self._open()
 
     def _open(self):
@@ -171,7 +174,7 @@ class DiskTable:
         batch = host_ops.distinct(ids, self.shape[0])  # (one read of each distinct row)
         found = self._recent(batch.ids)
         if found is None:
-            self._background.wait()  # (the last write and evictions, applied)
+            self._settle()  # (the last write and evictions, applied)
             found = self.cache.read_distinct(batch.ids)
             with self._recent_lock:
                 self._last_read = (batch, found)
@@ -209,7 +212,7 @@ class DiskTable:
                 for n, v in values.items()}
         missing = [n for n in self.columns if n not in kept]
         if missing:  # columns left out keep their values (a look, not a lookup: uncounted)
-            self._background.wait()
+            self._settle()
             old = self.cache.peek(batch.ids)
             kept.update({n: old[n] for n in missing})
         kept = {n: kept[n].astype(self.files.maps[n].dtype, copy=False) for n in self.columns}
@@ -234,19 +237,32 @@ class DiskTable:
         """
         self._check_open()
         ids = np.arange(self.shape[0]) if ids is None else ids
-        self._background.wait()
+        self._settle()
         return self.cache.peek(ids)[column]
 
     def flush(self):
         """Writes the cache's dirty rows to the files, and the files to disk."""
         self._check_open()
-        self._background.wait()
+        self._settle()
         self.cache.flush()
 
     def _check_open(self):
         if self._closed:
             raise ValueError(f"{self._owner}: it was closed (`close()`); its folder may be "
                              "another table's now. Make the layer again to use it.")
+        if self._failed is not None:
+            raise RuntimeError(
+                f"{self._owner}: a write of its rows beside the step failed ("
+                f"{self._failed}); the table lacks that step's rows. Load a save "
+                "(`model.load_weights`, `BackupAndRestore`) to go on.") from self._failed
+
+    def _settle(self):
+        """Waits for the work beside the step; its failure is kept (`_check_open`)."""
+        try:
+            self._background.wait()
+        except BaseException as error:
+            self._failed = error
+            raise
 
     def close(self):
         """Writes the cache's rows to the files and lets the folder go (its lock
@@ -274,7 +290,7 @@ class DiskTable:
         """Writes the cache's rows to the files, then copies the files into a new snapshot
         (`sparseopt.disk.snapshots.take`); its name. What a save of the table holds."""
         self._check_open()
-        self._background.wait()
+        self._settle()
         with self.cache.lock:
             self.cache.flush()
             return snapshots.take(self.settings.path, self.files.names)
@@ -289,19 +305,25 @@ class DiskTable:
         Raises:
             ValueError: the snapshot is missing, incomplete, or another table's.
         """
-        self._check_open()
+        if self._closed:
+            self._check_open()
         try:
             self._background.wait()
-        except OSError:
-            pass  # (a write the snapshot replaces: what the table held is restored)
+        except Exception as error:  # noqa: BLE001 (what the snapshot replaces, if it loads)
+            self._failed = error
         with self.cache.lock:
+            # The cache's rows into the files first: a load that fails leaves the table
+            # as it was, its rows in its files.
+            self.cache.flush()
             try:
                 snapshots.restore(self.settings.path, snapshot, self.files.names, self._owner)
+                self._failed = None  # (what a failed write lost is replaced)
             finally:
                 # Whatever happened, the maps follow the files there now (a restore
-                # that failed before its renames left them as they were), the lock
-                # stays, and the old cache's rows were the table's before.
-                self._last_read = None
+                # that failed before its renames left them as they were) and the lock
+                # stays; the cache, written, starts empty.
+                with self._recent_lock:
+                    self._last_read = None
                 self.files.reopen()
                 self._new_cache()
 
@@ -316,26 +338,39 @@ class DiskTable:
         Args:
             keep: how many of the newest to keep.
         """
+        if self._closed:
+            self._check_open()  # (the folder may be another table's now)
         return snapshots.remove(self.settings.path, keep)
 
     def health(self):
         """The cache's counts so far (`RowCache.health`: hits, misses, hit rate, rows and
         bytes read from and written to the files)."""
-        self._background.wait()
+        self._settle()
         return self.cache.health()
 
 
 def _flush_at_exit(cache, background, owner):
     """Writes a dropped table's cache to its files and ends its thread (a finalizer must not
     raise: it logs)."""
-    log = logging.getLogger("sparseopt.disk")
+    if background.on_its_thread():
+        # Collected on its own thread, inside one of its jobs (which this must not
+        # wait for): written there, after that job.
+        background.submit(lambda: _write_back(cache, background, owner))
+        return
     try:
         background.wait()
     except Exception as error:  # noqa: BLE001 (its other rows are written all the same)
-        log.error("%s: a write of its rows failed: %s", owner, error)
+        logging.getLogger("sparseopt.disk").error("%s: a write of its rows failed: %s",
+                                                  owner, error)
+    _write_back(cache, background, owner)
+
+
+def _write_back(cache, background, owner):
+    """Ends a dropped table's thread and writes its cache to its files (logs a failure)."""
     background.close()
     try:
         cache.flush()
     except Exception as error:  # noqa: BLE001
-        log.error("%s: its cached rows could not be written to its files when it was "
-                  "dropped: %s", owner, error)
+        logging.getLogger("sparseopt.disk").error(
+            "%s: its cached rows could not be written to its files when it was dropped: %s",
+            owner, error)

@@ -8,8 +8,8 @@ Modes:
             the table's rows and accumulator to FOLDER/final.npz
     step    the same, killed right after the 6th step (mid second epoch)
     save    killed inside the second backup's snapshot, after its first file
-    drain   killed while the cache writes evicted rows into the files, beside a step
-            after the first backup: after part of them reached the files
+    drain   killed while evicted rows are written into the files (after part of them
+            reached them), in a step after the first backup
 """
 
 import os
