@@ -128,21 +128,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THOROUGH = os.environ.get("SPARSEOPT_THOROUGH") == "1"
 
 
-def simulated_devices(count):
-    """XLA flags for a JAX child with `count` simulated CPU devices.
-
-    XLA:CPU ends a process whose devices do not all reach a collective within
-    40 s, a check for hangs; with 8 devices on 2 cores beside the other test
-    session, a slow turn is not a hang (seen: 3 of 8 arrived in time), so the
-    limit is 10 minutes, the child's own timeout.
-
-    Args:
-        count: the devices.
-    """
-    return (f"--xla_force_host_platform_device_count={count} "
-            "--xla_cpu_collective_call_terminate_timeout_seconds=600")
-
-
 def child_env(backend=None, test_xla=True, **extra):
     """The environment of a child process the tests start.
 

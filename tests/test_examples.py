@@ -7,7 +7,7 @@ import sys
 import keras
 import pytest
 
-from tests.helpers import ROOT, backend_kind, child_env, kinds, simulated_devices
+from tests.helpers import ROOT, backend_kind, child_env, kinds
 
 
 
@@ -49,7 +49,7 @@ def test_example_trains_and_reports(name):
 @pytest.mark.thorough
 @pytest.mark.backend_independent  # sharded_dlrm.py runs on JAX whatever KERAS_BACKEND says
 def test_sharded_example_splits_tables_and_trains():
-    env = child_env("jax", XLA_FLAGS=simulated_devices(4))
+    env = child_env("jax", XLA_FLAGS="--xla_force_host_platform_device_count=4")
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "sharded_dlrm.py"), "--examples",
          "4096", "--validation", "2048", "--chunks", "1", "--scale", "0.1"],

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 
 import keras
 import numpy as np
@@ -19,7 +20,7 @@ import pytest
 
 import sparseopt
 
-from tests.helpers import ROOT, THOROUGH, child_env, kinds, simulated_devices
+from tests.helpers import ROOT, THOROUGH, child_env, kinds
 
 if keras.backend.backend() != "jax":
     pytest.skip("keras.distribution shards variables on JAX; TensorFlow's "
@@ -41,7 +42,7 @@ SPLIT = {"rows8": 8, "rows2x4": 4, "cols2x4": 4, "data8": 1}
 def _env(devices, **extra):
     # Simulated CPU devices, also on a machine with one GPU (JAX would pick it).
     extra.setdefault("JAX_PLATFORMS", "cpu")
-    return child_env("jax", XLA_FLAGS=simulated_devices(devices),
+    return child_env("jax", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
                      **extra)
 
 
@@ -51,13 +52,28 @@ def job():
     return sharded_job
 
 
+# XLA:CPU's message when its hang check ends a process whose simulated devices did not
+# all reach a collective in time (40 s).
+_XLA_STALL = "Termination timeout for"
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sharded")
     scope = [] if THOROUGH else ["--layouts", "single", *QUICK, "--checks", *QUICK, "--quick"]
-    proc = subprocess.run([sys.executable, "-m", "tests.jobs.sharded_job", str(out),
-                           "--reshard", *scope],
-                          cwd=ROOT, env=_env(8), capture_output=True, text=True, timeout=600)
+    for attempt in range(2):
+        out = tmp_path_factory.mktemp("sharded")
+        proc = subprocess.run([sys.executable, "-m", "tests.jobs.sharded_job", str(out),
+                               "--reshard", *scope],
+                              cwd=ROOT, env=_env(8), capture_output=True, text=True,
+                              timeout=600)
+        # XLA:CPU's in-process collectives can stall for good when 8 simulated devices
+        # share this machine's 2 cores (seen twice in ~10 runs, in different steps:
+        # its hang check ends the process). That, and only that, is run again once,
+        # and said; any other failure fails here.
+        if proc.returncode == 0 or attempt or _XLA_STALL not in proc.stderr:
+            break
+        warnings.warn(f"sharded_job: XLA's collectives stalled (its hang check ended the "
+                      f"process); run again once: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
