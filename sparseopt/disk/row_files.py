@@ -19,7 +19,7 @@ pages of the rows touched: a 900M-row table's 14 GB after 300 steps
 rows of width 16) would have taken nearly all of its 61 GB by then; the
 price is a call for most new rows for as long as training brings new rows
 (measured: a 10M-row table's cache step, benchmarks/disk_cache.py at 5%,
-6.2 ms with 1024-row blocks, 10.4 ms page by page).
+6.2 ms with 1024-row blocks, 8.2-10.4 ms page by page, one run and two).
 """
 
 import fcntl
