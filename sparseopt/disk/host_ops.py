@@ -23,6 +23,11 @@ def library():
     return native.host_library() if native.enabled("disk_host") else None
 
 
+def row_bytes(array):
+    """Bytes of one row of `array` (its first dimension is rows)."""
+    return array.itemsize * int(np.prod(array.shape[1:], dtype=np.int64))
+
+
 def ptr(array, kind=_I64):
     """A ctypes pointer to contiguous `array`'s data."""
     return array.ctypes.data_as(kind)
@@ -113,8 +118,8 @@ def gather(source, index):
         out[...] = source[np.maximum(index, 0)] if source.shape[0] else 0
         out[index < 0] = 0
         return out
-    row_bytes = source.itemsize * int(np.prod(source.shape[1:], dtype=np.int64))
-    lib.so_gather(ctypes.c_void_p(source.ctypes.data), ctypes.c_int64(row_bytes), ptr(index),
+    lib.so_gather(ctypes.c_void_p(source.ctypes.data), ctypes.c_int64(row_bytes(source)),
+                  ptr(index),
                   ctypes.c_int64(index.size), ctypes.c_void_p(out.ctypes.data))
     return out
 

@@ -64,7 +64,7 @@ class NativeRowCache(RowCache):
         # The files' maps are held here too: the library writes into them for as
         # long as this cache lives, even after the files let them go.
         self._maps = [files.maps[n] for n in self._names] + [files.written]
-        row_bytes = np.array([self._row_bytes(self.data[n]) for n in self._names], np.int64)
+        row_bytes = np.array([host_ops.row_bytes(self.data[n]) for n in self._names], np.int64)
         data = self._columns(self.data)
         maps = (_P * len(self._names))(*(m.ctypes.data for m in self._maps[:-1]))
         self._held = [row_bytes, data, maps]
@@ -76,10 +76,6 @@ class NativeRowCache(RowCache):
             self.tick.ctypes.data, self.counts.ctypes.data, None, None, 0,
             self._staged.ctypes.data)
         self._stage_room(1024)
-
-    @staticmethod
-    def _row_bytes(array):
-        return array.itemsize * int(np.prod(array.shape[1:], dtype=np.int64))
 
     def _columns(self, arrays):
         """A ctypes array of pointers to `arrays[name]` (C-contiguous), column by column."""

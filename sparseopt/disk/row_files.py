@@ -110,8 +110,7 @@ class RowFiles:
         self._inode = os.stat(self.path / WRITTEN).st_ino
         # Rows read from the files (never-written rows are drawn, not read) and written.
         self.rows_read = self.rows_written = 0
-        self.row_bytes = sum(a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
-                             for a in self.maps.values())
+        self.row_bytes = sum(host_ops.row_bytes(a) for a in self.maps.values())
 
     def _check_or_write(self, meta, layout):
         """Whether the folder already holds this table (every file, at its size).
@@ -226,7 +225,7 @@ class RowFiles:
             if file == WRITTEN:  # the bitmap's byte of each row
                 first = last = ids >> 3
             else:
-                size = array.itemsize * int(np.prod(array.shape[1:], dtype=np.int64))
+                size = host_ops.row_bytes(array)
                 first, last = ids * size, ids * size + (size - 1)
             start, stop = first // RESERVE_BYTES, last // RESERVE_BYTES
             spans = stop - start + 1  # (a row may lie on several blocks)

@@ -246,10 +246,14 @@ class DiskTable:
         self._settle()
         self.cache.flush()
 
-    def _check_open(self):
+    def _check_not_closed(self):
         if self._closed:
             raise ValueError(f"{self._owner}: it was closed (`close()`); its folder may be "
                              "another table's now. Make the layer again to use it.")
+
+    def _check_open(self):
+        """Raises if the table was closed, or lacks a step's rows (`_settle`)."""
+        self._check_not_closed()
         if self._failed is not None:
             raise RuntimeError(
                 f"{self._owner}: a write of its rows beside the step failed ("
@@ -305,8 +309,7 @@ class DiskTable:
         Raises:
             ValueError: the snapshot is missing, incomplete, or another table's.
         """
-        if self._closed:
-            self._check_open()
+        self._check_not_closed()  # (a table lacking a step's rows may load: that mends it)
         try:
             self._background.wait()
         except Exception as error:  # noqa: BLE001 (what the snapshot replaces, if it loads)
@@ -338,8 +341,7 @@ class DiskTable:
         Args:
             keep: how many of the newest to keep.
         """
-        if self._closed:
-            self._check_open()  # (the folder may be another table's now)
+        self._check_not_closed()  # (the folder may be another table's now)
         return snapshots.remove(self.settings.path, keep)
 
     def health(self):

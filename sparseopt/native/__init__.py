@@ -26,8 +26,8 @@ as a TensorFlow op on CPU:
   ops, its outputs sized by the distinct ids (measured: 0.52-0.98x the pure
   step in 53 of 56 production cells, 1.02-1.12x in 3).
 
-and, for tables on disk (`sparseopt.disk`) on either backend, as a plain C
-library called from the host through ctypes:
+and, for tables on disk (`sparseopt.disk`) on either backend, as a C++ library
+with a C interface, called from the host through ctypes:
 
 - `disk_host` (on by default): the host's share of a step on disk
   (`disk_host.cc`): the batch's ids deduplicated and numbered, its rows found
