@@ -253,3 +253,29 @@ def test_disk_tables_benchmark_runs_fit_on_disk_beside_memory(tmp_path):
     rates = [r["hit_rate"] for r in results[1:]]
     assert 0 < rates[0] < rates[2] <= 1
     assert (tmp_path / "disk_tables.png").exists() and "step / in memory" in stdout
+
+
+@pytest.mark.jax_session  # its children are JAX's; the JAX session has the time
+def test_gpu_step_benchmark_runs_anywhere_in_its_smoke_mode(tmp_path):
+    """benchmarks/gpu_step.py --smoke on the CPU: what it runs on a GPU, tiny (the floor's
+    child, both peers, the profile of the sparse step), so it is ready when a GPU is."""
+    import json
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    out = tmp_path / "gpu_step.json"
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "gpu_step.py"), "--smoke", "--profile",
+         "--flags", "default", "--variants", "multihot", "--out", str(out)],
+        env=child_env("jax", test_xla=False), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["floors"]["random_row_gbs"]["16"] > 0
+    assert data["floors"]["scatter_add_duplicates_ms"] > 0
+    got = {r["peer"]: r for r in data["results"]}
+    assert sorted(got) == ["keras", "sparseopt"] and not data["skipped"]
+    assert all(r["median_ms"] > 0 and r["ids_per_step"] == 256 * 20 for r in got.values())
+    profile = got["sparseopt"]["profile"]
+    assert profile["ops"] and profile["op_ms_per_step"] > 0, profile
+    ratio = got["keras"]["median_ms"] / got["sparseopt"]["median_ms"]
+    assert f"| {ratio:.2f} |" in proc.stdout and out.with_suffix(".png").exists()
