@@ -199,6 +199,28 @@ def wrapper_building(optimizer):
     return None
 
 
+def exporting():
+    """Whether Keras' SavedModel export (`model.export`, `keras.export.ExportArchive`) is
+    under way.
+
+    Keras tells a layer nothing of an export: it reads the layer's variables
+    (`ExportArchive.track`), then traces its call (`add_endpoint`). Both run
+    inside a method of the archive, so it is the `self` of a frame on the
+    call stack. Recognized by its classes' names and modules (`ExportArchive`,
+    `SavedModelExportArchive`, each backend's `TFExportArchive`,
+    `JaxExportArchive`), without importing them: they import TensorFlow.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if owner is not None and any(
+                c.__name__.endswith("ExportArchive") and c.__module__.startswith("keras.")
+                for c in type(owner).__mro__):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _wraps(outer, inner):
     while outer is not None:
         if outer is inner:

@@ -190,6 +190,19 @@ def test_stack_walks_when_a_saved_model_is_loaded(tmp_path):
     assert [s["model"] for s in _SEEN] == [loaded]
 
 
+def test_an_export_is_found_on_the_stack():
+    """`compat.exporting` knows Keras' export archive (whatever the backend's class) by its
+    classes' names: a rename fails here first. (The users' path, `model.export` of tables on
+    disk, is tests/test_disk_export.py.)"""
+    archive = keras.export.ExportArchive()
+
+    def a_method_of(self):
+        return compat.exporting()
+
+    assert a_method_of(archive) is True
+    assert compat.exporting() is False
+
+
 def test_stack_walks_read_what_keras_names():
     """The names the walks read, checked at their source: a rename fails here first."""
     import inspect

@@ -81,8 +81,11 @@ class SparseLookup:
             )
         self.table = table
         self.int8 = int8
-        # A table on disk (`sparseopt.disk.table.DiskTable`): read through its cache.
+        # A table on disk (`sparseopt.disk.table.DiskTable`): read through its cache,
+        # or, while Keras exports the model, from a variable of its rows made for
+        # the export (`sparseopt.disk.serving`; set by the layer).
         self.on_disk = isinstance(table, DiskTable)
+        self.exported_rows = None
         self.storage = storage_lib.from_argument(storage, f"SparseLookup of '{table.path}'")
         base = table.name.replace("/", "_")
         self.num_dropped_ids = layer_state(layer, f"{base}_dropped_ids", "int32", False)
@@ -271,6 +274,9 @@ class SparseLookup:
         if self.int8 is not None:
             return self.int8.read(safe_ids)
         if self.on_disk:
+            if self.exported_rows is not None and compat.exporting():
+                with compat.read_as_stored():
+                    return backend.read_rows(self.exported_rows, safe_ids)
             return self.table.read(safe_ids)[0]
         with compat.read_as_stored():
             return backend.read_rows(self.table, safe_ids)
