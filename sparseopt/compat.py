@@ -200,8 +200,8 @@ def wrapper_building(optimizer):
 
 
 def exporting():
-    """Whether Keras' SavedModel export (`model.export`, `keras.export.ExportArchive`) is
-    under way.
+    """The Keras export archive (`model.export`, `keras.export.ExportArchive`) at work on
+    the call stack, or None.
 
     Keras tells a layer nothing of an export: it reads the layer's variables
     (`ExportArchive.track`), then traces its call (`add_endpoint`). Both run
@@ -216,9 +216,9 @@ def exporting():
         if owner is not None and any(
                 c.__name__.endswith("ExportArchive") and c.__module__.startswith("keras.")
                 for c in type(owner).__mro__):
-            return True
+            return owner
         frame = frame.f_back
-    return False
+    return None
 
 
 def _wraps(outer, inner):

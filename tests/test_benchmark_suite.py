@@ -76,9 +76,9 @@ def test_quick_sizes_leave_size_bound_targets_open():
     assert {t["met"] for t in quick if "rows /" in t["target"] or "plain" in t["target"]} == {None}
 
 
-# `make test`: on JAX (the soak's default), started from the TensorFlow session (the
-# sessions' times balanced); `make test-all`: on both.
-@pytest.mark.backend_independent
+# `make test`: on JAX (the soak's default), started from the JAX session (the sessions'
+# times balanced: the TensorFlow session is the longer); `make test-all`: on both.
+@pytest.mark.jax_session
 @pytest.mark.parametrize("backend", kinds(["jax", "tensorflow"], ["jax"]))
 def test_soak_runs_end_to_end_and_judges_memory(tmp_path, backend):
     """A short soak run on `backend` (a child process): samples, the verdict and the plot."""
@@ -228,7 +228,7 @@ def _tiny_run(tmp_path, script, *args):
     return json.loads(out.read_text())["results"], proc.stdout
 
 
-@pytest.mark.backend_independent
+@pytest.mark.jax_session  # (JAX children, once: in the JAX session, which has time)
 def test_disk_cache_benchmark_runs_and_hit_rates_grow_with_the_cache(tmp_path):
     """A tiny run of benchmarks/disk_cache.py: every cache size measured beside memory, the
     NumPy cache beside the native one (which evict alike: the script checks it)."""
@@ -242,7 +242,7 @@ def test_disk_cache_benchmark_runs_and_hit_rates_grow_with_the_cache(tmp_path):
     assert "native / in memory" in stdout
 
 
-@pytest.mark.backend_independent
+@pytest.mark.jax_session  # (JAX children, once: in the JAX session, which has time)
 def test_disk_tables_benchmark_runs_fit_on_disk_beside_memory(tmp_path):
     """A tiny run of benchmarks/disk_tables.py: the in-memory step and three caches."""
     results, stdout = _tiny_run(tmp_path, "disk_tables", "--rows", "20000", "--batch", "256",

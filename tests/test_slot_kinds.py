@@ -38,14 +38,14 @@ def numpy_replay(table, xs, ys, lr, beta, clipvalue=None):
 
 
 @pytest.mark.parametrize("chunks", ["one pass", "chunks of 3 rows",
-                                    "one pass of more rows than a chunk (off the CPU)"])
+                                    "one pass of more rows than a chunk (as on a GPU)"])
 def test_column_and_table_slots_follow_the_dense_rule(chunks, monkeypatch):
     if chunks != "one pass":
         if keras.backend.backend() != "jax":
             pytest.skip("TF updates the distinct rows in one pass (no chunk loop)")
         from sparseopt.backend import jax_distinct
         monkeypatch.setattr(jax_distinct, "DISTINCT_CHUNK", 3)
-        if "off the CPU" in chunks:  # as on a GPU (tests/test_one_pass.py)
+        if "GPU" in chunks:  # tests/test_one_pass.py
             monkeypatch.setattr(jax_distinct, "loops_follow_count", lambda: False)
     keras.utils.set_random_seed(3)
     updater = ColumnScaledSGD(0.2, beta=0.5, clipvalue=0.05)

@@ -90,17 +90,24 @@ DISTINCT_CHUNK = 8192
 def loops_follow_count():
     """Whether a step's distinct rows are taken in chunks, as many as it has distinct ids.
 
-    On CPU a loop whose trip count is traced lets the work follow the
-    distinct ids, not the padded list. Elsewhere it does not pay: XLA:GPU
-    decides each trip of such a loop on the host (the condition is copied
-    back, the host waits for the device), so every table's loop drained the
-    GPU's queue. Measured on an H100 (benchmarks/gpu_step.py, 26 Criteo
-    tables, batch 16,384): 6.1 ms a step with the loops, the device busy
-    1.6 ms of it. Off the CPU the whole list is one pass: the entries after
-    `count` are padding ids past the table, which gather clamps and scatter
-    drops, so the rows written are the same.
+    On CPU (and TPU, whose loops run on the device) a loop whose trip count is
+    traced lets the work follow the distinct ids, not the padded list. On a
+    GPU it does not pay: XLA:GPU decides each trip of such a loop on the host
+    (the condition is copied back, the host waits for the device), so every
+    table's loop drained the GPU's queue. Measured on an H100
+    (benchmarks/gpu_step.py, 26 Criteo tables, batch 16,384): 6.12 ms a step
+    with the loops, 1.95 ms in one pass. On a GPU the whole list is one pass:
+    the entries after `count` are padding ids past the table, which gather
+    clamps and scatter drops, so the rows written are the same (their values
+    may round differently in the last bit: another program).
     """
-    return jax.default_backend() == "cpu"
+    return jax.default_backend() != "gpu"
+
+
+# A listed-rows list up to this long goes in one pass on a GPU (an int8 table's
+# write buffer: up to 16,384 rows); a longer one (Lookahead's window, a table's
+# length) stays in chunks, since one pass would be work the size of the table.
+LISTED_ONE_PASS = 1 << 16
 
 
 def for_distinct_rows(update, variables, distinct):
@@ -159,7 +166,7 @@ def sum_over_distinct_rows(contribute, distinct, num_rows):
 def _chunks(distinct, num_rows):
     """`distinct` in whole chunks of `DISTINCT_CHUNK` entries, or None for one pass.
 
-    One pass (None) off the CPU (`loops_follow_count`). Where its entries do
+    One pass (None) on a GPU (`loops_follow_count`). Where its entries do
     not fit one chunk, they are padded to whole chunks
     with more distinct padding ids (zero gradient). Returns `(take, trips)`:
     `take(i)` gives chunk `i`'s `(first entry, ids, grads)`, and `trips` (a
@@ -188,10 +195,11 @@ def for_listed_rows(update, variables, ids, count):
     of `ids` as it is (no padded copy of a list that may have an entry per
     table row); the last chunk ends at the list's end, so it may repeat
     entries of the one before, and entries past `count` come along:
-    `update` leaves those out itself and is idempotent.
+    `update` leaves those out itself and is idempotent. On a GPU a list of up
+    to `LISTED_ONE_PASS` entries is one pass (`loops_follow_count`).
     """
     n, size = ids.shape[0], DISTINCT_CHUNK
-    if n <= size:
+    if n <= size or (not loops_follow_count() and n <= LISTED_ONE_PASS):
         update(variables, ids)
         return
 

@@ -8,7 +8,6 @@ import numpy as np
 from sparseopt import backend, compat
 from sparseopt import storage as storage_lib
 from sparseopt import updaters as updaters_lib
-from sparseopt.disk.serving import rows_for_export
 from sparseopt.disk.table import DiskTable
 from sparseopt.distribution import check_even_split
 from sparseopt.storage.block_init import add_table
@@ -231,12 +230,9 @@ class SparseEmbedding(keras.layers.Layer):
         """Keras' `Layer.variables`; while Keras exports the model (`model.export`), a
         table on disk adds its rows as one variable (`sparseopt.disk.serving`)."""
         found = super().variables
-        if self.on_disk and self.built:
-            if compat.exporting():
-                if self._lookup.exported_rows is None:
-                    self._lookup.exported_rows = rows_for_export(self.embeddings, self.name)
-                return found + [self._lookup.exported_rows]
-            self._lookup.exported_rows = None  # (the last export's, freed)
+        archive = compat.exporting() if self.on_disk and self.built else None
+        if archive is not None:
+            return found + [self._lookup.exported.made_for(archive)]
         return found
 
     def _make_lookup(self, **kwargs):

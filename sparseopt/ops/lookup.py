@@ -9,6 +9,7 @@ from keras import ops
 
 from sparseopt import backend, compat
 from sparseopt import storage as storage_lib
+from sparseopt.disk.serving import ExportedRows
 from sparseopt.disk.table import DiskTable
 from sparseopt.records import BagGrads, RowGrads
 
@@ -83,9 +84,9 @@ class SparseLookup:
         self.int8 = int8
         # A table on disk (`sparseopt.disk.table.DiskTable`): read through its cache,
         # or, while Keras exports the model, from a variable of its rows made for
-        # the export (`sparseopt.disk.serving`; set by the layer).
+        # the export (`sparseopt.disk.serving`).
         self.on_disk = isinstance(table, DiskTable)
-        self.exported_rows = None
+        self.exported = ExportedRows(table, layer.name) if self.on_disk else None
         self.storage = storage_lib.from_argument(storage, f"SparseLookup of '{table.path}'")
         base = table.name.replace("/", "_")
         self.num_dropped_ids = layer_state(layer, f"{base}_dropped_ids", "int32", False)
@@ -274,9 +275,10 @@ class SparseLookup:
         if self.int8 is not None:
             return self.int8.read(safe_ids)
         if self.on_disk:
-            if self.exported_rows is not None and compat.exporting():
+            archive = compat.exporting()
+            if archive is not None:  # a SavedModel serves without the host
                 with compat.read_as_stored():
-                    return backend.read_rows(self.exported_rows, safe_ids)
+                    return backend.read_rows(self.exported.read_by(archive), safe_ids)
             return self.table.read(safe_ids)[0]
         with compat.read_as_stored():
             return backend.read_rows(self.table, safe_ids)

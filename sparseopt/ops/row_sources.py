@@ -45,6 +45,13 @@ class LookupRows:
         marker = grads.get(id(self.lookup.probe))
         if record is None:
             return None  # not looked up (or not differentiated) in this step
+        layer = self.lookup.layer
+        if layer is not None and not layer.trainable:
+            # A frozen layer (`layer.trainable = False`) trains none of its tables. Read
+            # here: a table that is no variable (int8 codes, a table on disk) is reached
+            # through the probe, which on JAX is layer state that Keras' `trainable`
+            # setter does not reach, so the probe alone would still lead to the table.
+            return None
         if marker is None:
             raise ValueError(
                 f"DispatchOptimizer: table '{table_name}' was looked up but "
