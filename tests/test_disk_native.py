@@ -48,6 +48,24 @@ def test_the_host_library_builds_loads_and_is_on_by_default():
         assert host_ops.library() is None
 
 
+@independent
+def test_the_host_librarys_calls_are_checked_before_they_reach_c():
+    """Each function declares its arguments: a call with too few, or an array of the
+    wrong width where C reads another, is refused by ctypes, never passed on."""
+    import ctypes
+
+    lib = host_ops.library()
+    assert set(native.HOST_FUNCTIONS) == {
+        "so_unique", "so_find", "so_number", "so_gather", "so_cache_read", "so_cache_write",
+        "so_cache_insert", "so_stage_flush", "so_cache_flush"}
+    with pytest.raises(TypeError):
+        lib.so_stage_flush()
+    wide = np.zeros(4, np.int64)
+    with pytest.raises(ctypes.ArgumentError):  # int32 ids expected
+        lib.so_number(host_ops.ptr(wide), 4, 40, host_ops.ptr(wide), host_ops.ptr(wide),
+                      host_ops.ptr(wide))
+
+
 ids_lists = st.lists(st.integers(-3, 45), max_size=200)
 
 

@@ -14,15 +14,15 @@ import os
 import subprocess
 import sys
 
-import keras
 import numpy as np
 import pytest
 
 from tests.helpers import ROOT, THOROUGH, child_env, kinds
 
-if keras.backend.backend() != "tensorflow":
-    pytest.skip("tf.distribute strategies are TensorFlow's; JAX shards tables with "
-                "keras.distribution (tests/test_sharded.py)", allow_module_level=True)
+# Every run is a TensorFlow child's, whatever the session's backend: once, in the JAX
+# session (the TensorFlow session is the longer). (JAX shards tables with
+# keras.distribution: tests/test_sharded.py.)
+pytestmark = pytest.mark.jax_session
 
 # Each replica traces the step again: 2 replicas (one of each kind: a batch
 # split, a replica with no examples, an overflow on a replica other than the

@@ -75,9 +75,23 @@ SOURCES = ("dedup_sum.cc", "rows.cc")
 HEADERS = ("dedup_core.h",)
 TF_SOURCES = ("tf_ops.cc",)
 HOST_SOURCES = ("disk_host.cc",)
-# The host library's functions that return a count (int64); the others return nothing.
-HOST_FUNCTIONS = ("so_unique", "so_find", "so_number", "so_cache_read", "so_cache_write",
-                  "so_cache_insert", "so_cache_flush", "so_stage_flush")
+# The host library's C functions (disk_host.cc): argument types, and whether each
+# returns a count (int64) or nothing. Declared so that ctypes checks every call's
+# arguments (their number, integers as 64 bits, typed pointers) instead of passing
+# whatever it is given.
+_I64, _P64, _P32 = ctypes.c_int64, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int32)
+_BYTES = ctypes.c_void_p  # uint8_t*, uint8_t** (arrays of row pointers), the cache struct
+HOST_FUNCTIONS = {
+    "so_unique": ((_P64, _I64, _I64, _P64, _P64, _P64, _P64, _P64, _I64), _I64),
+    "so_find": ((_P64, _P64, _I64, _P64, _I64, _P64), _I64),
+    "so_number": ((_P32, _I64, _I64, _P32, _P32, _P32), _I64),
+    "so_gather": ((_BYTES, _I64, _P64, _I64, _BYTES), None),
+    "so_cache_read": ((_BYTES, _P64, _I64, _BYTES, _P64), _I64),
+    "so_cache_write": ((_BYTES, _P64, _I64, _BYTES, _P64), _I64),
+    "so_cache_insert": ((_BYTES, _P64, _P64, _I64, _BYTES, _I64), _I64),
+    "so_stage_flush": ((_BYTES,), _I64),
+    "so_cache_flush": ((_BYTES,), _I64),
+}
 # No FMA contraction: each product is rounded before it is added, as XLA's
 # pure path computes it.
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off", "-w")
@@ -321,8 +335,9 @@ def _load_host():
     """The loaded host library (once), or None."""
     def load():
         library = ctypes.cdll.LoadLibrary(str(build_host()))
-        for name in HOST_FUNCTIONS:  # (ctypes would read an int's 32 bits otherwise)
-            getattr(library, name).restype = ctypes.c_int64
+        for name, (arguments, result) in HOST_FUNCTIONS.items():
+            function = getattr(library, name)
+            function.argtypes, function.restype = arguments, result
         return library
 
     return _load_once(_state["host"], load, "host library")
