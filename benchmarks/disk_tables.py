@@ -3,6 +3,7 @@
     KERAS_BACKEND=jax python benchmarks/disk_tables.py          # ~3 minutes
     KERAS_BACKEND=tensorflow python benchmarks/disk_tables.py
     python benchmarks/disk_tables.py --rows 20000000 --steps 100
+    python benchmarks/disk_tables.py --dtype int8   # int8 tables, on disk and in memory
 
 The model: one `SparseEmbedding` (row-wise Adagrad, width 16, `combiner="sum"`
 over 8 ids per example) and a dense head, batch 4,096 (32,768 ids per
@@ -51,13 +52,15 @@ def ids(rows, batch, bag, steps, seed):
     return perm[ranks - 1].astype("int32").reshape(steps * batch, bag)
 
 
-def model(rows, width, storage):
+def model(rows, width, storage, dtype=None, ids_per_step=None):
     keras.utils.set_random_seed(0)
     x = keras.Input((8,), dtype="int32")
+    # An int8 table in memory buffers a step's rows: room for every id of a step.
+    buffer = ids_per_step if dtype == "int8" and storage is None else None
     emb = sparseopt.layers.SparseEmbedding(
         rows, width, sparseopt.updaters.RowwiseAdagrad(0.05), combiner="sum",
         embeddings_initializer=keras.initializers.RandomUniform(-0.05, 0.05, seed=1),
-        storage=storage, name="table")
+        storage=storage, name="table", dtype=dtype, rows_per_step=buffer)
     out = keras.layers.Dense(1)(keras.layers.Dense(64, activation="relu")(emb(x)))
     m = keras.Model(x, out)
     m.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam(1e-3)), loss="mse")
@@ -65,7 +68,7 @@ def model(rows, width, storage):
 
 
 def run(args, storage, warm, timed):
-    m, emb = model(args.rows, args.width, storage)
+    m, emb = model(args.rows, args.width, storage, args.dtype, args.batch * 8)
     m.fit(warm[0], warm[1], batch_size=args.batch, shuffle=False, verbose=0)
     before = emb.disk_stats()
     t0 = time.perf_counter()
@@ -92,6 +95,8 @@ def main():
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "int8"],
+                        help="the table's dtype, on disk and in memory (default float32)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     backend = keras.backend.backend()
@@ -101,7 +106,8 @@ def main():
     warm, timed = (x[:split], y[:split]), (x[split:], y[split:])
     distinct = np.mean([np.unique(timed[0][i:i + args.batch]).size
                         for i in range(0, timed[0].shape[0], args.batch)])
-    print(f"{backend}: table {args.rows:,} x {args.width}, row-wise Adagrad; "
+    print(f"{backend}: table {args.rows:,} x {args.width} ({args.dtype or 'float32'}), "
+          "row-wise Adagrad; "
           f"{args.batch * 8:,} Zipf ids per step ({distinct:,.0f} distinct)")
     print("| table | step ms (median) | step / in memory | each run's step ms | hit rate "
           "| disk KB read/step | disk KB written/step |")
@@ -129,11 +135,12 @@ def main():
                  f"{row['hit_rate']:.3f} | {row['kb_read']:.0f} | {row['kb_written']:.0f} |")
         print(f"| {label} | {row['step_ms']:.1f} | {ratio:.2f}x | "
               f"{', '.join(f'{t:.1f}' for t in steps)} | {stats}", flush=True)
-    out = pathlib.Path(args.out or HERE / "results" / f"disk_tables_{backend}.json")
+    suffix = f"_{args.dtype}" if args.dtype not in (None, "float32") else ""
+    out = pathlib.Path(args.out or HERE / "results" / f"disk_tables_{backend}{suffix}.json")
     out.write_text(json.dumps({"args": vars(args), "backend": backend,
                                "distinct_per_step": float(distinct), "results": results},
                               indent=1))
-    plot(results, backend, out.with_suffix(".png"))
+    plot(results, f"{backend}{', ' + args.dtype if suffix else ''}", out.with_suffix(".png"))
 
 
 def plot(results, backend, path):

@@ -91,6 +91,13 @@ def saved_as(layers, class_name):
             layer.__class__ = cls
 
 
+def holds_a_value(variable):
+    """Whether a Keras variable holds a value: False for one whose initialization was
+    deferred (made inside a traced step) and never done, as when a model's first step
+    fails while it is traced (reading it would call its spent initializer)."""
+    return getattr(variable, "_value", None) is not None
+
+
 def embedding_variable(layer):
     """The table variable of a `keras.layers.Embedding` (its `_embeddings`)."""
     return layer._embeddings

@@ -190,6 +190,15 @@ def test_stack_walks_when_a_saved_model_is_loaded(tmp_path):
     assert [s["model"] for s in _SEEN] == [loaded]
 
 
+def test_a_deferred_variable_is_told_from_one_holding_a_value():
+    """`compat.holds_a_value` reads a Keras variable's private `_value` (None until a
+    deferred initialization runs)."""
+    assert compat.holds_a_value(keras.Variable(np.zeros(3)))
+    with keras.StatelessScope(initialize_variables=False):
+        deferred = keras.Variable(initializer="zeros", shape=(3,))
+        assert not compat.holds_a_value(deferred)
+
+
 def test_an_export_is_found_on_the_stack():
     """`compat.exporting` knows Keras' export archive (whatever the backend's class) by its
     classes' names: a rename fails here first. (The users' path, `model.export` of tables on

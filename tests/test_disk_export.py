@@ -1,6 +1,7 @@
 """A model with tables on disk, exported for serving (`model.export`).
 
-Each SavedModel holds each table's rows as they were at its export (rows
+Each SavedModel holds each table's rows (float32, bfloat16, and an int8
+table's as its layer reads them) as they were at its export (rows
 trained so far, rows never written as the initializer draws them) and serves
 in a process that never imports sparseopt, away from the tables' folders,
 giving what the trained model predicted then; training goes on between
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 import sparseopt
+from sparseopt.disk import int8_columns
 from sparseopt.storage import OnDisk
 from tests.helpers import child_env
 
@@ -36,9 +38,12 @@ def _model(folder):
         sparseopt.layers.SparseEmbedding(
             ROWS, WIDTH, updater=sparseopt.updaters.Adam(0.05), dtype="bfloat16",
             storage=OnDisk(os.path.join(folder, "b"), cache_rows=8), name="b"),
+        sparseopt.layers.SparseEmbedding(
+            ROWS, WIDTH, updater=sparseopt.updaters.Adagrad(0.1), combiner="mean",
+            dtype="int8", storage=OnDisk(os.path.join(folder, "c"), cache_rows=8), name="c"),
     ]
     pooled = keras.layers.Concatenate()(
-        [tables[0](ids), keras.layers.Flatten()(tables[1](ids))])
+        [tables[0](ids), keras.layers.Flatten()(tables[1](ids)), tables[2](ids)])
     model = keras.Model(ids, keras.layers.Dense(1, name="head")(pooled))
     model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam(0.01)),
                   loss="mse")
@@ -67,10 +72,17 @@ print(json.dumps(found))
 """
 
 
+def _rows(table):
+    """A table's rows as its layer reads them (an int8 table's `codes / scale`)."""
+    if table.int8:
+        return int8_columns.dequantize(table.numpy(), table.numpy("scale"))
+    return np.asarray(table.numpy(), "float32")
+
+
 def _export(model, tables, path):
     """What the model predicts now, each table's rows now, after exporting it to `path`."""
     want = model.predict(np.array(IDS, "int32"), verbose=0)
-    rows = [np.asarray(t.embeddings.numpy(), "float32") for t in tables]
+    rows = [_rows(t.embeddings) for t in tables]
     model.export(str(path))
     return want, rows
 
@@ -82,6 +94,7 @@ def test_exported_models_serve_their_tables_rows_without_sparseopt(tmp_path):
     _fit(model, 1)  # training goes on after an export...
     second = _export(model, tables, tmp_path / "second")  # ...which the next one holds
     assert not np.array_equal(first[1][0], second[1][0])
+    assert not np.array_equal(first[1][2], second[1][2])
     assert not any("for_serving" in v.name for v in model.variables)
     if keras.backend.backend() == "tensorflow":
         # The export's copy of the rows went with its archive (a shortcut: there is no
@@ -98,7 +111,7 @@ def test_exported_models_serve_their_tables_rows_without_sparseopt(tmp_path):
     for (want, rows), got in zip((first, second), json.loads(proc.stdout.splitlines()[-1])):
         np.testing.assert_allclose(np.array(got["out"]), want, rtol=1e-6, atol=1e-6)
         # The rows themselves, every one of them, as the tables held them.
-        assert len(got["rows"]) == 2, sorted(got["rows"])
+        assert len(got["rows"]) == 3, sorted(got["rows"])
         for table, held in zip(tables, rows):
             name = next(n for n in got["rows"] if n.startswith(f"{table.name}_"))
             np.testing.assert_array_equal(np.array(got["rows"][name], "float32"), held)

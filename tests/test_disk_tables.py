@@ -39,6 +39,11 @@ HALF_CASES = {
                                      {"state_dtype": "float16",
                                       "stochastic_rounding": False}),
     "Adam:bfloat16_rows": (sparseopt.updaters.Adam, {}, "bfloat16", {}),
+    # int8 rows (codes and a scale per row): a per-row and a per-entry rule; how
+    # the rows are kept does not depend on the rule (every rule: test_int8_tables.py).
+    "RowwiseAdagrad:int8": (sparseopt.updaters.RowwiseAdagrad, {}, "int8", {}),
+    "Adam:int8_nearest": (sparseopt.updaters.Adam, {}, "int8",
+                          {"stochastic_rounding": False}),
 }
 
 
@@ -146,7 +151,11 @@ def test_tables_on_disk_train_every_updater_as_in_memory_bit_for_bit(tmp_path):
     memory, memory_layers, memory_heads = _model(
         SUPPORTED, lambda i, s: sparseopt.TableStorage(**s))
     for d, m in zip(disk_layers, memory_layers):
-        m.embeddings.assign(d.embeddings.numpy().astype(np.float32))
+        if d.embeddings.int8:  # (codes and scales)
+            m.embeddings.assign(d.embeddings.numpy())
+            m.embeddings_scale.assign(d.embeddings.numpy("scale"))
+        else:
+            m.embeddings.assign(d.embeddings.numpy().astype(np.float32))
     _set_heads(memory_heads, _heads(disk_heads))
     x, y = _data(len(SUPPORTED))
     disk.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
@@ -161,6 +170,9 @@ def test_tables_on_disk_train_every_updater_as_in_memory_bit_for_bit(tmp_path):
     for name, d, m in zip(SUPPORTED, disk_layers, memory_layers):
         np.testing.assert_array_equal(d.embeddings.numpy().astype(np.float64),
                                       to_np(m.embeddings), err_msg=name)
+        if d.embeddings.int8:
+            np.testing.assert_array_equal(d.embeddings.numpy("scale"),
+                                          to_np(m.embeddings_scale), err_msg=name)
         stats = d.disk_stats()
         assert stats["misses"] > 0 and stats["rows_written"] > 0, (name, stats)
         per_row = _slot_names(m)
@@ -306,9 +318,11 @@ def test_what_a_table_on_disk_cannot_do_yet_is_refused_with_the_fix(tmp_path):
     model.fit(np.zeros((2, 2), "int32"), np.zeros((2, 2, 2), "float32"), verbose=0)
     with pytest.raises(ValueError, match="'e/embeddings': its per-row state .* its files"):
         model.optimizer.table_state(layer.embeddings)
-    with pytest.raises(ValueError, match="int8 table on disk"):
+    with pytest.raises(ValueError, match="'u': `rows_per_step` sizes the write buffer of an "
+                                         "int8 table in memory; a table on disk"):
         sparseopt.layers.SparseEmbedding(10, 2, sparseopt.updaters.SGD(0.1), dtype="int8",
-                                         storage=OnDisk(str(tmp_path / "u")))(ids)
+                                         rows_per_step=4, storage=OnDisk(str(tmp_path / "u")),
+                                         name="u")
     with pytest.raises(ValueError, match="RandomUniform, RandomNormal"):
         sparseopt.layers.SparseEmbedding(10, 2, sparseopt.updaters.SGD(0.1),
                                          embeddings_initializer="glorot_uniform",
@@ -477,18 +491,21 @@ def test_each_step_reads_the_rows_before_it_writes_them(tmp_path):
     assert on_disk == in_memory
 
 
-def _saved_model(folder):
-    model, layers, heads = _model({"Adagrad": (sparseopt.updaters.Adagrad, {}, "float32", {})},
+def _saved_model(folder, dtype="float32"):
+    model, layers, heads = _model({"Adagrad": (sparseopt.updaters.Adagrad, {}, dtype, {})},
                                   lambda i, s: OnDisk(str(folder), cache_rows=8))
     return model, layers[0]
 
 
-def test_a_save_holds_a_snapshot_that_a_load_brings_back(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_a_save_holds_a_snapshot_that_a_load_brings_back(tmp_path, dtype):
     x, y = _data(1)
-    model, layer = _saved_model(tmp_path / "t")
+    model, layer = _saved_model(tmp_path / "t", dtype)
     model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     model.save(tmp_path / "m.keras")
     saved = layer.embeddings.numpy().copy(), layer.embeddings.numpy("accumulator").copy()
+    if dtype == "int8":  # (its config makes the loaded layer int8, on disk)
+        saved += (layer.embeddings.numpy("scale").copy(),)
     model.fit(x, y, batch_size=8, shuffle=False, verbose=0)  # (the live files move on; the save does not)
     after = layer.embeddings.numpy().copy()
     assert not np.array_equal(after, saved[0])
@@ -498,6 +515,9 @@ def test_a_save_holds_a_snapshot_that_a_load_brings_back(tmp_path):
     table = loaded.get_layer("t0").embeddings
     np.testing.assert_array_equal(table.numpy(), saved[0])
     np.testing.assert_array_equal(table.numpy("accumulator"), saved[1])
+    if dtype == "int8":
+        assert table.int8
+        np.testing.assert_array_equal(table.numpy("scale"), saved[2])
     # Resumed from the save, the next epoch ends where the first run's did, bit for bit.
     loaded.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     np.testing.assert_array_equal(table.numpy(), after)

@@ -17,6 +17,7 @@ import keras
 import numpy as np
 
 from sparseopt import backend
+from sparseopt.disk import int8_columns
 
 
 def available_memory():
@@ -90,7 +91,7 @@ def rows_variable(table, owner):
     call it serves (it does so for non-trainable state); nothing trains it.
     """
     rows, width = table.shape
-    need = rows * width * np.dtype(table.dtype).itemsize
+    need = rows * width * (4 if table.int8 else np.dtype(table.dtype).itemsize)
     free = available_memory()
     if free is not None and COPIES * need > free:
         raise ValueError(
@@ -102,5 +103,9 @@ def rows_variable(table, owner):
             "memory available.")
     with backend.outside_trace():
         values = table.numpy()
-    return keras.Variable(values, dtype=table.dtype, trainable=True,
+        dtype = table.dtype
+        if table.int8:  # (served as the layer reads it: codes / scale, float32)
+            values = int8_columns.dequantize(values, table.numpy(int8_columns.SCALE))
+            dtype = "float32"
+    return keras.Variable(values, dtype=dtype, trainable=True,
                           name=f"{table.path.replace('/', '_')}_for_serving")

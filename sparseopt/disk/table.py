@@ -28,11 +28,12 @@ import numpy as np
 from keras import ops
 
 from sparseopt import backend
-from sparseopt.disk import host_ops, snapshots
+from sparseopt.disk import host_ops, int8_columns, snapshots
 from sparseopt.disk.background import Background
 from sparseopt.disk.initial_rows import InitialRows
 from sparseopt.disk.native_cache import make_cache
 from sparseopt.disk.row_files import Column, RowFiles
+from sparseopt.storage import quantization
 
 ROWS = "rows"  # the column of the table's own values
 
@@ -43,7 +44,8 @@ class DiskTable:
     Args:
         path: the table's path, as its variable's would be (`"layer/embeddings"`).
         shape: `(V, D)`.
-        dtype: the rows' dtype (`"float32"`, `"bfloat16"` or `"float16"`).
+        dtype: the rows' dtype (`"float32"`, `"bfloat16"`, `"float16"`, or `"int8"`:
+            codes and a scale per row, `int8_columns`).
         initializer: the Keras initializer whose distribution unwritten rows
             are drawn from (`sparseopt.disk.initial_rows.InitialRows`).
         slots: the table's per-row `SlotSpec`s (its updater's), each a column.
@@ -58,7 +60,10 @@ class DiskTable:
         self.settings = settings
         owner = f"Table '{path}'"
         initial = InitialRows(initializer, self.shape[1], owner=owner)
-        columns = {ROWS: Column(self.shape[1:], self.dtype, initial)}
+        # An int8 table keeps codes and a scale per row (`int8_columns`).
+        self.int8 = self.dtype == "int8"
+        columns = int8_columns.columns(initial, self.shape[1]) if self.int8 else {
+            ROWS: Column(self.shape[1:], self.dtype, initial)}
         for spec in slots:
             columns[spec.name] = Column(spec.shape(self.shape)[1:],
                                         spec.dtype_for(settings.state_dtype), spec.initial_value)
@@ -124,6 +129,19 @@ class DiskTable:
             return self._read_host(np.asarray(ids), names)
 
         return backend.host_read(read, [ops.cast(ids, "int32")], outputs)
+
+    def read_rows(self, ids):
+        """The rows at `ids` as a lookup reads them (traced): float32 (an int8 table's
+        `codes / scale`, as Keras reads its int8 `Embedding`), or the table's 16-bit
+        values carried in float32; ids outside the table read zeros.
+
+        Args:
+            ids: int ids, any shape.
+        """
+        if not self.int8:
+            return self.read(ids)[0]
+        codes, scale = self.read(ids, (ROWS, int8_columns.SCALE))
+        return quantization.dequantize(codes, scale)
 
     def number(self, ids):
         """The step's valid ids numbered in the order of their last occurrence, on the host

@@ -159,6 +159,11 @@ class SparseEmbedding(keras.layers.Layer):
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         self.combiner = combiner
         self.storage = storage_lib.from_argument(storage, f"SparseEmbedding '{self.name}'")
+        if self.on_disk and rows_per_step is not None:
+            raise ValueError(
+                f"SparseEmbedding '{self.name}': `rows_per_step` sizes the write buffer of an "
+                "int8 table in memory; a table on disk writes its rows through its cache. "
+                "Leave it out.")
         if self.on_disk and not backend.HOST_CALLS_COMPILE:
             # Said before `compile` (where Keras resolves `jit_compile="auto"`): XLA
             # cannot compile the host calls that reach a table on disk.
@@ -196,15 +201,15 @@ class SparseEmbedding(keras.layers.Layer):
 
     def _build_on_disk(self, path, shape):
         """The table in files (`sparseopt.disk`): rows and each per-row slot of the updater."""
-        if self.int8 is not None:
-            raise ValueError(f"SparseEmbedding '{self.name}': an int8 table on disk is not "
-                             "supported yet; use dtype float32, bfloat16 or float16.")
         if keras.distribution.distribution() is not None:
             raise ValueError(f"SparseEmbedding '{self.name}': a table on disk under a "
                              "keras.distribution (tables split or replicated over devices) is "
                              "not supported yet; build it outside the distribution's scope.")
         settings = storage_lib.of_table(self.storage, self.updater, path)
-        self.embeddings = DiskTable(path, shape, self.variable_dtype,
+        # (An int8 table on disk keeps its codes and scales in its files: `self.int8`
+        # stays unbuilt, for the layer's config.)
+        dtype = "int8" if self.int8 is not None else self.variable_dtype
+        self.embeddings = DiskTable(path, shape, dtype,
                                     self.embeddings_initializer,
                                     [s for s in self.updater.slots if s.per_row], settings)
         self._lookup = self._make_lookup()
@@ -277,6 +282,9 @@ class SparseEmbedding(keras.layers.Layer):
         """
         if not self.built:
             return super().count_params()  # (Keras' error for an unbuilt layer)
+        rows, width = self.embeddings.shape
+        if self.on_disk:
+            return rows * width + (rows if self.embeddings.int8 else 0)
         table = [self.embeddings] if self.int8 is None else [self.embeddings,
                                                               self.embeddings_scale]
         return int(sum(np.prod(v.shape) for v in table))
@@ -289,15 +297,15 @@ class SparseEmbedding(keras.layers.Layer):
         saves its codes and row scales, as Keras' int8 `Embedding` does,
         after writing the last step's rows into them.
         """
-        if self.int8 is not None:
-            with backend.outside_trace():
-                self.int8.flush()
-            store["0"], store["1"] = self.embeddings, self.embeddings_scale
-            return
         if self.on_disk:
             # The file holds the name of a snapshot of the table's files (in its folder).
             with backend.outside_trace():
                 store["0"] = disk_record(self.embeddings.snapshot(), self.embeddings.shape)
+            return
+        if self.int8 is not None:
+            with backend.outside_trace():
+                self.int8.flush()
+            store["0"], store["1"] = self.embeddings, self.embeddings_scale
             return
         store["0"] = self.embeddings
 
@@ -307,11 +315,11 @@ class SparseEmbedding(keras.layers.Layer):
         Those also hold the lookup's probe and dropped-id count (entries "1"
         and "2"): they are skipped (the count restarts at 0).
         """
-        if self.int8 is not None:
-            self._load_int8(store)
-            return
         if self.on_disk:
             self.embeddings.restore(snapshot_of(store, self.name, self.embeddings))
+            return
+        if self.int8 is not None:
+            self._load_int8(store)
             return
         legacy = len(store.keys()) == 3 and tuple(store["1"].shape) == ()
         if len(store.keys()) != 1 and not legacy:

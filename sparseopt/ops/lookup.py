@@ -279,7 +279,7 @@ class SparseLookup:
             if archive is not None:  # a SavedModel serves without the host
                 with compat.read_as_stored():
                     return backend.read_rows(self.exported.read_by(archive), safe_ids)
-            return self.table.read(safe_ids)[0]
+            return self.table.read_rows(safe_ids)
         with compat.read_as_stored():
             return backend.read_rows(self.table, safe_ids)
 

@@ -8,7 +8,7 @@ last buffered rows); `catch_up_tables`, `table_moving_average` and
 
 from keras import ops
 
-from sparseopt import backend
+from sparseopt import backend, compat
 
 
 class EndOfFit:
@@ -69,11 +69,13 @@ class EndOfFit:
         caught up; `ema_momentum` and `swa_period` tables take their average), then its
         row storage's (an int8 table's last buffered rows written, a table on disk's
         cache written to its files: `TableTrainer.end_of_fit`)."""
-        # Only tables with something to do (a failed first step leaves nothing to read).
+        # Only tables with something to do (a failed first step leaves nothing to read:
+        # no trainer, or, where it failed while traced, state that never got a value;
+        # Keras calls this in `fit`'s `finally`, where raising would hide that failure).
         trainers = [t for t in getattr(self, "_trainers", {}).values()
                     if t.updater.wrappers or (t.row_storage is not None
                                               and t.row_storage.ends_fit)]
-        if trainers:
+        if trainers and compat.holds_a_value(self.iterations):
             steps_done = self._steps_done()
             with backend.outside_trace():
                 scale = self._scale_of_rate()

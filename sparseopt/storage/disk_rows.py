@@ -7,8 +7,9 @@ the table's) are optimizer variables as for any table. A step starts from
 the rows its lookups read (already in the compiled step) and reads the
 per-row state of its distinct ids from the cache, the rule runs in the
 compiled step as for rows in memory, and the new values (16-bit ones
-rounded by the same bits) are written back to the cache: the same values
-as the in-memory kind's, bit for bit.
+rounded by the same bits, an int8 table's quantized as the int8 kind
+quantizes them) are written back to the cache: the same values as the
+in-memory kinds', bit for bit.
 
 What needs every row at once (the end of `fit`'s catch-up and averages, a
 whole slot started from the table) or rows given to new ids (open
@@ -18,7 +19,9 @@ vocabularies) is refused for now, naming the table (`check`).
 from keras import ops
 
 from sparseopt import backend
+from sparseopt.disk.int8_columns import SCALE
 from sparseopt.disk.table import ROWS, DiskTable
+from sparseopt.storage.int8 import quantized
 from sparseopt.storage.rows import RowStorage
 
 
@@ -112,13 +115,19 @@ class DiskRows(RowStorage):
             return context.rows_read(ids), dict(zip(self.per_row, state))
         # A chunk of the step's rows (a whole slot's sums over more than a chunk):
         # from the host, which serves them from the lookup's read.
+        if self.table.int8:
+            state = self.table.read(ids, self.per_row) if self.per_row else ()
+            return self.table.read_rows(ids), dict(zip(self.per_row, state))
         values = self.table.read(ids, [ROWS, *self.per_row])
         return values[0], dict(zip(self.per_row, values[1:]))
 
     def write(self, ids, rows, state, step, count=None, keep=None, row_stream=0,
               rounded=True):
         values = {}
-        if rows is not None:
+        if rows is not None and self.table.int8:
+            # Codes and scale, quantized as an int8 table in memory writes them.
+            values[ROWS], values[SCALE] = quantized(rows, ids, step, self.rounding)
+        elif rows is not None:
             values[ROWS] = self._stored(rows, ROWS, ids, step, row_stream, rounded)
         for name, value in state.items():
             values[name] = self._stored(value, name, ids, step, self.streams[name], rounded)
