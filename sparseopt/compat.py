@@ -92,9 +92,14 @@ def saved_as(layers, class_name):
 
 
 def holds_a_value(variable):
-    """Whether a Keras variable holds a value: False for one whose initialization was
-    deferred (made inside a traced step) and never done, as when a model's first step
-    fails while it is traced (reading it would call its spent initializer)."""
+    """Whether a Keras variable holds a value (reading one that does not calls its spent
+    initializer: a TypeError).
+
+    False where Keras' JAX trainer took the values out of the model's variables
+    for its compiled step (`_get_jax_state(purge_model_variables=True)`) and the
+    step failed before any state came back (`fit`'s `finally` then finds none to
+    put back), and for a variable whose initialization was deferred and never done.
+    """
     return getattr(variable, "_value", None) is not None
 
 

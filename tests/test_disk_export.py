@@ -20,8 +20,7 @@ import numpy as np
 import pytest
 
 import sparseopt
-from sparseopt.disk import int8_columns
-from sparseopt.storage import OnDisk
+from sparseopt.storage import OnDisk, quantization
 from tests.helpers import child_env
 
 ROWS, WIDTH = 40, 4
@@ -73,9 +72,11 @@ print(json.dumps(found))
 
 
 def _rows(table):
-    """A table's rows as its layer reads them (an int8 table's `codes / scale`)."""
+    """A table's rows as its layer reads them (an int8 table's `codes / scale`, by Keras'
+    int8 arithmetic)."""
     if table.int8:
-        return int8_columns.dequantize(table.numpy(), table.numpy("scale"))
+        return keras.ops.convert_to_numpy(
+            quantization.dequantize(table.numpy(), table.numpy("scale")))
     return np.asarray(table.numpy(), "float32")
 
 

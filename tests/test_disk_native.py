@@ -64,6 +64,11 @@ def test_the_host_librarys_calls_are_checked_before_they_reach_c():
     with pytest.raises(ctypes.ArgumentError):  # int32 ids expected
         lib.so_number(host_ops.ptr(wide), 4, 40, host_ops.ptr(wide), host_ops.ptr(wide),
                       host_ops.ptr(wide))
+    # An array is only ever passed as a pointer to elements of its own width.
+    with pytest.raises(TypeError, match="int32 .4-byte elements. where C reads 8-byte"):
+        host_ops.ptr(np.zeros(4, np.int32))
+    with pytest.raises(TypeError, match="not contiguous"):
+        host_ops.ptr(np.zeros(8, np.int64)[::2])
 
 
 ids_lists = st.lists(st.integers(-3, 45), max_size=200)

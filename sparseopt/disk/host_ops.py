@@ -29,7 +29,17 @@ def row_bytes(array):
 
 
 def ptr(array, kind=_I64):
-    """A ctypes pointer to contiguous `array`'s data."""
+    """A ctypes pointer to contiguous `array`'s data, as `kind` (elements of its width).
+
+    Raises:
+        TypeError: the array's elements are not `kind`'s width, or it is not
+            contiguous (C would read other values than the array holds).
+    """
+    width = ctypes.sizeof(kind._type_)
+    if array.dtype.itemsize != width or not array.flags.c_contiguous:
+        raise TypeError(f"host library: an array of {array.dtype} ({array.dtype.itemsize}-byte "
+                        f"elements{'' if array.flags.c_contiguous else ', not contiguous'}) "
+                        f"where C reads {width}-byte elements, contiguous.")
     return array.ctypes.data_as(kind)
 
 

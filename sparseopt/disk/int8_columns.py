@@ -8,9 +8,11 @@ memory starts. The step quantizes the rows it writes on the device, with
 stochastic rounding where the storage asks for it (`storage.int8.quantized`,
 the in-memory table's own function), and the files keep what it wrote.
 
-The host twins of `quantization.quantize` (to nearest) and `dequantize`
-below do the same float32 operations in the same order, so they give the
-same bits (tests/test_disk_int8.py checks them against the Keras ones).
+The host twin of `quantization.quantize` (to nearest) below does the same
+float32 operations in the same order, so it gives the same bits
+(tests/test_disk_int8.py checks it against the Keras one). Rows are read
+back (`codes / scale`) by Keras' own `quantization.dequantize`, in the step
+and for an export alike.
 """
 
 import numpy as np
@@ -33,11 +35,6 @@ def quantize_nearest(rows):
     scaled = rows * scale[:, None]
     codes = np.clip(np.rint(scaled), -quantization.CODE_MAX, quantization.CODE_MAX)
     return codes.astype(np.int8), scale.astype(np.float32)
-
-
-def dequantize(codes, scale):
-    """NumPy float32 rows `codes / scale` (codes `[M, D]`, scale `[M]`)."""
-    return np.asarray(codes).astype(np.float32) / np.asarray(scale, np.float32)[:, None]
 
 
 def columns(initial, width):

@@ -18,6 +18,7 @@ import numpy as np
 
 from sparseopt import backend
 from sparseopt.disk import int8_columns
+from sparseopt.storage import quantization
 
 
 def available_memory():
@@ -105,7 +106,8 @@ def rows_variable(table, owner):
         values = table.numpy()
         dtype = table.dtype
         if table.int8:  # (served as the layer reads it: codes / scale, float32)
-            values = int8_columns.dequantize(values, table.numpy(int8_columns.SCALE))
+            values = keras.ops.convert_to_numpy(quantization.dequantize(
+                values, table.numpy(int8_columns.SCALE)))
             dtype = "float32"
     return keras.Variable(values, dtype=dtype, trainable=True,
                           name=f"{table.path.replace('/', '_')}_for_serving")

@@ -65,6 +65,10 @@ class DiskTable:
         columns = int8_columns.columns(initial, self.shape[1]) if self.int8 else {
             ROWS: Column(self.shape[1:], self.dtype, initial)}
         for spec in slots:
+            if spec.name in columns:
+                raise ValueError(f"{owner}: its updater's per-row slot '{spec.name}' has the "
+                                 f"name of a column the table keeps itself ({sorted(columns)}); "
+                                 "name the slot otherwise.")
             columns[spec.name] = Column(spec.shape(self.shape)[1:],
                                         spec.dtype_for(settings.state_dtype), spec.initial_value)
         self._owner, self._columns = owner, columns
@@ -141,7 +145,9 @@ class DiskTable:
         if not self.int8:
             return self.read(ids)[0]
         codes, scale = self.read(ids, (ROWS, int8_columns.SCALE))
-        return quantization.dequantize(codes, scale)
+        # (Ids outside the table read codes 0 and scale 0: zeros, not 0 / 0.)
+        return ops.where(ops.expand_dims(ops.equal(scale, 0.0), -1), 0.0,
+                         quantization.dequantize(codes, scale))
 
     def number(self, ids):
         """The step's valid ids numbered in the order of their last occurrence, on the host
@@ -250,7 +256,8 @@ class DiskTable:
         stored; reading changes nothing in the cache.
 
         Args:
-            column: `"rows"` or a per-row slot's name.
+            column: `"rows"` (an int8 table's codes), `"scale"` (an int8 table's row
+                scales) or a per-row slot's name.
             ids: int row ids; None: every row (a table's worth of memory).
         """
         self._check_open()

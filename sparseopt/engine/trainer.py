@@ -385,10 +385,18 @@ class TableTrainer:
         Args:
             steps_done, learning_rate_scale: as for `catch_up`.
         """
-        hp = self._last_values(steps_done, learning_rate_scale)
-        for wrapper in self.updater.wrappers:
-            wrapper.end_of_fit(self.updater, self.row_storage, steps_done, hp)
+        if not self.frozen:  # (a frozen layer's table is not trained: nothing to catch up)
+            hp = self._last_values(steps_done, learning_rate_scale)
+            for wrapper in self.updater.wrappers:
+                wrapper.end_of_fit(self.updater, self.row_storage, steps_done, hp)
         self.row_storage.end_of_fit()
+
+    @property
+    def frozen(self):
+        """Whether the layer that reads the table is frozen (`layer.trainable = False`):
+        then neither a step nor the end of `fit` trains it (`LookupRows`)."""
+        layer = getattr(getattr(self.source, "lookup", None), "layer", None)
+        return layer is not None and not layer.trainable
 
     def moving_average(self, steps_done, learning_rate_scale=1.0):
         """The table's moving average at `steps_done` (`ema_momentum` only), a tensor."""

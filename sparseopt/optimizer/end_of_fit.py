@@ -69,13 +69,14 @@ class EndOfFit:
         caught up; `ema_momentum` and `swa_period` tables take their average), then its
         row storage's (an int8 table's last buffered rows written, a table on disk's
         cache written to its files: `TableTrainer.end_of_fit`)."""
-        # Only tables with something to do (a failed first step leaves nothing to read:
-        # no trainer, or, where it failed while traced, state that never got a value;
-        # Keras calls this in `fit`'s `finally`, where raising would hide that failure).
+        # Only tables with something to do. A failed first step leaves nothing to read:
+        # no trainer, or (JAX) variables whose values Keras took out for the step and never
+        # got back. Keras calls this in `fit`'s `finally`, where raising would hide that
+        # failure.
         trainers = [t for t in getattr(self, "_trainers", {}).values()
                     if t.updater.wrappers or (t.row_storage is not None
                                               and t.row_storage.ends_fit)]
-        if trainers and compat.holds_a_value(self.iterations):
+        if trainers and compat.holds_a_value(self._iterations):  # (the counter itself)
             steps_done = self._steps_done()
             with backend.outside_trace():
                 scale = self._scale_of_rate()
