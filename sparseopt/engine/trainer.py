@@ -393,10 +393,9 @@ class TableTrainer:
 
     @property
     def frozen(self):
-        """Whether the layer that reads the table is frozen (`layer.trainable = False`):
-        then neither a step nor the end of `fit` trains it (`LookupRows`)."""
-        layer = getattr(getattr(self.source, "lookup", None), "layer", None)
-        return layer is not None and not layer.trainable
+        """Whether the layer that reads the table is frozen (`LookupRows.frozen`; a table
+        whose gradient comes as its own is a variable, which Keras itself freezes)."""
+        return getattr(self.source, "frozen", False)
 
     def moving_average(self, steps_done, learning_rate_scale=1.0):
         """The table's moving average at `steps_done` (`ema_momentum` only), a tensor."""

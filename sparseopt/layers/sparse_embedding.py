@@ -282,8 +282,8 @@ class SparseEmbedding(keras.layers.Layer):
         """
         if not self.built:
             return super().count_params()  # (Keras' error for an unbuilt layer)
-        rows, width = self.embeddings.shape
-        if self.on_disk:
+        if self.on_disk:  # (an int8 table's codes and row scales, as Keras' int8 Embedding)
+            rows, width = self.embeddings.shape
             return rows * width + (rows if self.embeddings.int8 else 0)
         table = [self.embeddings] if self.int8 is None else [self.embeddings,
                                                               self.embeddings_scale]

@@ -30,6 +30,16 @@ class LookupRows:
         return [self.lookup.probe]
 
     @property
+    def frozen(self):
+        """Whether the lookup's layer is frozen (`layer.trainable = False`): then none of
+        its tables trains, in a step or at the end of `fit`. Read here: a table that is
+        no variable (int8 codes, a table on disk) is reached through the probe, which on
+        JAX is layer state that Keras' `trainable` setter does not reach, so the probe
+        alone would still lead to the table."""
+        layer = self.lookup.layer
+        return layer is not None and not layer.trainable
+
+    @property
     def storage(self):
         """The `TableStorage` given on the table's lookup, or None (None before it exists)."""
         return getattr(self.lookup, "storage", None)
@@ -45,12 +55,7 @@ class LookupRows:
         marker = grads.get(id(self.lookup.probe))
         if record is None:
             return None  # not looked up (or not differentiated) in this step
-        layer = self.lookup.layer
-        if layer is not None and not layer.trainable:
-            # A frozen layer (`layer.trainable = False`) trains none of its tables. Read
-            # here: a table that is no variable (int8 codes, a table on disk) is reached
-            # through the probe, which on JAX is layer state that Keras' `trainable`
-            # setter does not reach, so the probe alone would still lead to the table.
+        if self.frozen:
             return None
         if marker is None:
             raise ValueError(
