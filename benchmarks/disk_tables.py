@@ -4,6 +4,7 @@
     KERAS_BACKEND=tensorflow python benchmarks/disk_tables.py
     python benchmarks/disk_tables.py --rows 20000000 --steps 100
     python benchmarks/disk_tables.py --dtype int8   # int8 tables, on disk and in memory
+    python benchmarks/disk_tables.py --vocabulary   # open vocabularies (DynamicEmbedding)
 
 The model: one `SparseEmbedding` (row-wise Adagrad, width 16, `combiner="sum"`
 over 8 ids per example) and a dense head, batch 4,096 (32,768 ids per
@@ -52,15 +53,26 @@ def ids(rows, batch, bag, steps, seed):
     return perm[ranks - 1].astype("int32").reshape(steps * batch, bag)
 
 
-def model(rows, width, storage, dtype=None, ids_per_step=None):
+# `--vocabulary`: the most new ids one step gives rows to (the stream's new ids per step
+# stay below it after the warm-up steps), the same on disk and in memory.
+ADMISSIONS = 8192
+
+
+def model(rows, width, storage, dtype=None, ids_per_step=None, vocabulary=False):
     keras.utils.set_random_seed(0)
     x = keras.Input((8,), dtype="int32")
-    # An int8 table in memory buffers a step's rows: room for every id of a step.
-    buffer = ids_per_step if dtype == "int8" and storage is None else None
-    emb = sparseopt.layers.SparseEmbedding(
-        rows, width, sparseopt.updaters.RowwiseAdagrad(0.05), combiner="sum",
-        embeddings_initializer=keras.initializers.RandomUniform(-0.05, 0.05, seed=1),
-        storage=storage, name="table", dtype=dtype, rows_per_step=buffer)
+    common = dict(combiner="sum", storage=storage, name="table", dtype=dtype,
+                  embeddings_initializer=keras.initializers.RandomUniform(-0.05, 0.05, seed=1))
+    if vocabulary:  # an open vocabulary of `rows` rows, the stream's ids as raw ids
+        emb = sparseopt.layers.DynamicEmbedding(
+            rows, width, sparseopt.updaters.RowwiseAdagrad(0.05),
+            admissions_per_step=ADMISSIONS, **common)
+    else:
+        # An int8 table in memory buffers a step's rows: room for every id of a step.
+        buffer = ids_per_step if dtype == "int8" and storage is None else None
+        emb = sparseopt.layers.SparseEmbedding(
+            rows, width, sparseopt.updaters.RowwiseAdagrad(0.05), rows_per_step=buffer,
+            **common)
     out = keras.layers.Dense(1)(keras.layers.Dense(64, activation="relu")(emb(x)))
     m = keras.Model(x, out)
     m.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam(1e-3)), loss="mse")
@@ -68,7 +80,8 @@ def model(rows, width, storage, dtype=None, ids_per_step=None):
 
 
 def run(args, storage, warm, timed):
-    m, emb = model(args.rows, args.width, storage, args.dtype, args.batch * 8)
+    m, emb = model(args.rows, args.width, storage, args.dtype, args.batch * 8,
+                   args.vocabulary)
     m.fit(warm[0], warm[1], batch_size=args.batch, shuffle=False, verbose=0)
     before = emb.disk_stats()
     t0 = time.perf_counter()
@@ -97,6 +110,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "int8"],
                         help="the table's dtype, on disk and in memory (default float32)")
+    parser.add_argument("--vocabulary", action="store_true",
+                        help="an open vocabulary (DynamicEmbedding) of --rows rows, on disk "
+                             "and in memory, instead of a SparseEmbedding")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     backend = keras.backend.backend()
@@ -106,7 +122,8 @@ def main():
     warm, timed = (x[:split], y[:split]), (x[split:], y[split:])
     distinct = np.mean([np.unique(timed[0][i:i + args.batch]).size
                         for i in range(0, timed[0].shape[0], args.batch)])
-    print(f"{backend}: table {args.rows:,} x {args.width} ({args.dtype or 'float32'}), "
+    kind = "open vocabulary" if args.vocabulary else "table"
+    print(f"{backend}: {kind} {args.rows:,} x {args.width} ({args.dtype or 'float32'}), "
           "row-wise Adagrad; "
           f"{args.batch * 8:,} Zipf ids per step ({distinct:,.0f} distinct)")
     print("| table | step ms (median) | step / in memory | each run's step ms | hit rate "
@@ -136,14 +153,16 @@ def main():
         print(f"| {label} | {row['step_ms']:.1f} | {ratio:.2f}x | "
               f"{', '.join(f'{t:.1f}' for t in steps)} | {stats}", flush=True)
     suffix = f"_{args.dtype}" if args.dtype not in (None, "float32") else ""
+    suffix += "_vocabulary" if args.vocabulary else ""
     out = pathlib.Path(args.out or HERE / "results" / f"disk_tables_{backend}{suffix}.json")
     out.write_text(json.dumps({"args": vars(args), "backend": backend,
                                "distinct_per_step": float(distinct), "results": results},
                               indent=1))
-    plot(results, f"{backend}{', ' + args.dtype if suffix else ''}", out.with_suffix(".png"))
+    plot(results, f"{kind}, {backend}" + (f", {args.dtype}" if args.dtype else ""),
+         out.with_suffix(".png"))
 
 
-def plot(results, backend, path):
+def plot(results, title, path):
     """Step time per table (bars) and the cache's hit rate (points)."""
     import matplotlib
 
@@ -156,7 +175,7 @@ def plot(results, backend, path):
     ax.axhline(2 * results[0]["step_ms"], ls="--", c="k", lw=0.8,
                label="goal: 2x the in-memory step")
     ax.set_ylabel("step (ms)")
-    ax.set_title(f"A 2M x 16 table on disk, {backend}: step time and hit rate", fontsize=9)
+    ax.set_title(f"2M x 16 on disk ({title}): step time and hit rate", fontsize=9)
     rates = ax.twinx()
     rates.plot(names[1:], [r["hit_rate"] for r in results[1:]], "o-", c="#55a868")
     rates.set_ylim(0, 1)

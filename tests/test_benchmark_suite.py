@@ -243,11 +243,13 @@ def test_disk_cache_benchmark_runs_and_hit_rates_grow_with_the_cache(tmp_path):
 
 
 @pytest.mark.jax_session  # (JAX children, once: in the JAX session, which has time)
-def test_disk_tables_benchmark_runs_fit_on_disk_beside_memory(tmp_path):
-    """A tiny run of benchmarks/disk_tables.py: the in-memory step and three caches."""
+@pytest.mark.parametrize("layer", [[], ["--vocabulary"]], ids=["table", "open_vocabulary"])
+def test_disk_tables_benchmark_runs_fit_on_disk_beside_memory(tmp_path, layer):
+    """A tiny run of benchmarks/disk_tables.py: the in-memory step and three caches (a
+    `SparseEmbedding`, and an open vocabulary)."""
     results, stdout = _tiny_run(tmp_path, "disk_tables", "--rows", "20000", "--batch", "256",
                                 "--repeats", "1",
-                                "--steps", "3", "--warmup", "3")
+                                "--steps", "3", "--warmup", "3", *layer)
     assert [r["table"] for r in results] == ["memory", "disk 1%", "disk 5%", "disk 20%"]
     assert all(r["step_ms"] > 0 for r in results)
     rates = [r["hit_rate"] for r in results[1:]]

@@ -22,6 +22,8 @@ import pytest
 
 import sparseopt
 from sparseopt import backend
+from sparseopt.disk import table as disk_table
+from sparseopt.storage import disk_parts
 from sparseopt.storage import OnDisk
 from tests.conftest import to_np
 from tests.helpers import THOROUGH, ROOT, child_env, optimizer_state, registered_cases
@@ -47,24 +49,53 @@ HALF_CASES = {
 }
 
 
-def _all_rows(case):
-    """Whether an updater configuration needs every row at once (what disk refuses)."""
+# Options whose end of `fit` works on every row (part by part on disk): `lazy=False`'s
+# catch-up, the moving and weight averages; on an int8 and a bfloat16 table too.
+# (`make test` trains no registered configuration with them: `paths_only`.)
+WRAPPER_CASES = {
+    "SGD:dense_momentum_decay": (sparseopt.updaters.SGD,
+                                 {"momentum": 0.9, "weight_decay": 0.2, "lazy": False},
+                                 "float32", {}),
+    "RowwiseAdagrad:ema": (sparseopt.updaters.RowwiseAdagrad, {"ema_momentum": 0.9},
+                           "float32", {}),
+    "SGD:swa": (sparseopt.updaters.SGD, {"swa_period": 2, "swa_start": 1}, "float32", {}),
+    "Adagrad:int8_dense_decay": (sparseopt.updaters.Adagrad,
+                                 {"weight_decay": 0.3, "lazy": False}, "int8", {}),
+    "Adam:ema_bfloat16": (sparseopt.updaters.Adam, {"ema_momentum": 0.8}, "bfloat16", {}),
+    # (Whole slots, which the moving average passes through: never written part by part.)
+    "Adafactor:ema": (sparseopt.updaters.Adafactor, {"ema_momentum": 0.9}, "float32", {}),
+}
+
+
+def _refused(case):
+    """Whether an updater configuration is refused on disk: Lookahead's sync inside a step,
+    whole state started from every row of the table."""
     entry, cfg = case
     updater = entry(0.05, **{k: v for k, v in cfg.items() if k not in STORAGE_KEYS})
-    return bool(updater.wrappers) or any(s.from_table is not None for s in updater.slots)
+    return updater.lookahead is not None or any(s.from_table is not None
+                                                for s in updater.slots)
 
 
 SUPPORTED = {name: (entry, cfg, "float32", {})
-             for name, (entry, cfg) in CASES.items() if not _all_rows((entry, cfg))}
-SUPPORTED.update(HALF_CASES)
-# Every configuration that needs every row at once (the registry's, whatever
-# `make test` trains), and the two wrappers no registered configuration uses.
-REFUSED = {name: case for name, case in registered_cases().items() if _all_rows(case)}
-REFUSED.update({"SGD:swa": (sparseopt.updaters.SGD, {"swa_period": 2}),
-                "SGD:lookahead": (sparseopt.updaters.SGD, {"lookahead_period": 2})})
+             for name, (entry, cfg) in CASES.items() if not _refused((entry, cfg))}
+# (Float tables before int8 ones: in memory an int8 table is trained beside the
+# variables, after every float table, and a table's position among the optimizer's
+# tables keys its rounding bits; on disk every table is trained beside them, in the
+# model's order. docs/disk.md, "Exactness".)
+SUPPORTED.update({k: v for k, v in {**HALF_CASES, **WRAPPER_CASES}.items() if v[2] != "int8"})
+SUPPORTED.update({k: v for k, v in {**HALF_CASES, **WRAPPER_CASES}.items() if v[2] == "int8"})
+# Every configuration refused (the registry's, whatever `make test` trains), and
+# Lookahead, which no registered configuration uses.
+REFUSED = {name: case for name, case in registered_cases().items() if _refused(case)}
+REFUSED.update({"SGD:lookahead": (sparseopt.updaters.SGD, {"lookahead_period": 2})})
 
 
-def _model(cases, storage_of):
+def _sparse_embedding(i, updater, storage, dtype):
+    return sparseopt.layers.SparseEmbedding(ROWS, WIDTH, updater=updater, storage=storage,
+                                            dtype=dtype, name=f"t{i}")
+
+
+def _model(cases, storage_of, layer_of=_sparse_embedding):
     """One table per case (two ids each) with a dense head of its own, the heads'
     outputs side by side; compiled with DispatchOptimizer and `mse`.
 
@@ -73,15 +104,18 @@ def _model(cases, storage_of):
     every table would make each table's update depend on how XLA compiles a
     dot over all of their rows, which a change anywhere else in the program can
     change in the last bit.
+
+    Args:
+        cases: `{name: (Updater class, config, dtype, storage settings)}`.
+        storage_of: `storage_of(i, settings)`, table `i`'s `storage=`.
+        layer_of: `layer_of(i, updater, storage, dtype)`, table `i`'s layer.
     """
     ids = keras.Input((2 * len(cases),), dtype="int32")
     outs, layers, heads = [], [], []
     for i, (entry, cfg, dtype, settings) in enumerate(cases.values()):
         rule = {k: v for k, v in cfg.items() if k not in STORAGE_KEYS}
         settings = {**{k: v for k, v in cfg.items() if k in STORAGE_KEYS}, **settings}
-        layer = sparseopt.layers.SparseEmbedding(
-            ROWS, WIDTH, updater=entry(0.05, **rule), storage=storage_of(i, settings),
-            dtype=dtype, name=f"t{i}")
+        layer = layer_of(i, entry(0.05, **rule), storage_of(i, settings), dtype)
         layers.append(layer)
         heads.append(keras.layers.Dense(1, name=f"head{i}"))
         outs.append(heads[-1](keras.layers.Flatten()(layer(ids[:, 2 * i:2 * i + 2]))))
@@ -124,8 +158,29 @@ def rules_own_path(monkeypatch):
         k for k in backend.KERNELS if k.stages != ("read", "rule", "write")))
 
 
-def _slot_names(layer):
-    return [s.name for s in layer.updater.slots if s.per_row]
+def assert_state_as_in_memory(name, disk_layer, memory_layer, disk_state, memory_state):
+    """Asserts that each optimizer slot of `memory_layer`'s table (`memory_state`: the
+    in-memory optimizer's variables by name) is `disk_layer`'s: a column of its files for
+    a per-row slot, a variable of its optimizer (`disk_state`) for a whole one. How many
+    slots it compared.
+
+    Args:
+        name: the case, for messages.
+    """
+    per_row = [s.name for s in memory_layer.updater.slots if s.per_row]
+    prefix, checked = f"{memory_layer.name}_embeddings_", 0
+    for path, var in memory_state.items():
+        if not path.startswith(prefix):
+            continue
+        slot = path[len(prefix):]
+        if slot in per_row:  # a column of the files
+            got = disk_layer.embeddings.numpy(slot).astype(np.float64)
+            assert path not in disk_state, path
+        else:  # a variable, as in memory
+            got = to_np(disk_state[path])
+        np.testing.assert_array_equal(got, to_np(var), err_msg=f"{name}: {path}")
+        checked += 1
+    return checked
 
 
 # The flags `make test` compiles JAX's programs with to cut compile time (Makefile)
@@ -141,9 +196,28 @@ at_default_flags = pytest.mark.skipif(
     reason="on JAX: runs in a child compiling at XLA's default flags (see above)")
 
 
+@pytest.fixture
+def parts_of_16_rows(monkeypatch):
+    """Whole-table work on a table on disk (the end of `fit` of `lazy=False`,
+    `ema_momentum`, `swa_*`) in parts of 16 rows, so that a 40-row table is worked on
+    in three parts, the last shorter (`DiskTable.each_part`; 65,536 rows a part
+    otherwise; a multiple of 16 rows, as `PART_ROWS` must be). The sizes of the parts
+    worked on, in a list."""
+    monkeypatch.setattr(disk_table, "PART_ROWS", 16)
+    sizes, made = [], disk_parts.RowsPart.__init__
+
+    def counted(self, storage, ids, stored):
+        sizes.append(ids.size)
+        made(self, storage, ids, stored)
+
+    monkeypatch.setattr(disk_parts.RowsPart, "__init__", counted)
+    return sizes
+
+
 @at_default_flags
 @pytest.mark.usefixtures("rules_own_path")
-def test_tables_on_disk_train_every_updater_as_in_memory_bit_for_bit(tmp_path):
+def test_tables_on_disk_train_every_updater_as_in_memory_bit_for_bit(tmp_path,
+                                                                      parts_of_16_rows):
     # Disk first: its rows (drawn per row from the initializer) and head start the
     # in-memory run. A cache of 8 rows per 40-row table: rows are evicted and read back.
     disk, disk_layers, disk_heads = _model(
@@ -175,37 +249,114 @@ def test_tables_on_disk_train_every_updater_as_in_memory_bit_for_bit(tmp_path):
                                           to_np(m.embeddings_scale), err_msg=name)
         stats = d.disk_stats()
         assert stats["misses"] > 0 and stats["rows_written"] > 0, (name, stats)
-        per_row = _slot_names(m)
-        for path, var in memory_state.items():
-            if not path.startswith(f"{m.name}_embeddings_"):
-                continue
-            slot = path[len(f"{m.name}_embeddings_"):]
-            if slot in per_row:  # a column of the files
-                got = d.embeddings.numpy(slot).astype(np.float64)
-                assert path not in disk_state, path
-            else:  # a variable, as in memory
-                got = to_np(disk_state[path])
-            np.testing.assert_array_equal(got, to_np(var), err_msg=f"{name}: {path}")
-            checked += 1
+        checked += assert_state_as_in_memory(name, d, m, disk_state, memory_state)
     assert checked >= len(SUPPORTED) * 2  # (state, skip count at least)
+    assert {16, 40 % 16} <= set(parts_of_16_rows)  # (the end of fit's work, part by part)
+
+
+@at_default_flags
+@pytest.mark.usefixtures("rules_own_path")
+def test_averages_and_catch_up_between_steps_on_disk_as_in_memory(tmp_path,
+                                                                    parts_of_16_rows):
+    # Mid-training (not at the end of `fit`): the whole table's moving and weight
+    # averages, read part by part, and every row caught up.
+    cases = {n: WRAPPER_CASES[n] for n in ("SGD:dense_momentum_decay", "RowwiseAdagrad:ema",
+                                           "SGD:swa", "Adagrad:int8_dense_decay")}
+    disk, disk_layers, disk_heads = _model(
+        cases, lambda i, s: OnDisk(str(tmp_path / f"t{i}"), cache_rows=8, **s))
+    memory, memory_layers, memory_heads = _model(
+        cases, lambda i, s: sparseopt.TableStorage(**s))
+    for d, m in zip(disk_layers, memory_layers):
+        if d.embeddings.int8:
+            m.embeddings.assign(d.embeddings.numpy())
+            m.embeddings_scale.assign(d.embeddings.numpy("scale"))
+        else:
+            m.embeddings.assign(d.embeddings.numpy())
+    _set_heads(memory_heads, _heads(disk_heads))
+    x, y = _data(len(cases))
+
+    class Between(keras.callbacks.Callback):
+        """What a user reads between two steps, on step 3."""
+
+        def __init__(self, layers):
+            super().__init__()
+            self.layers, self.seen = layers, {}
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch != 3:
+                return
+            optimizer = self.model.optimizer
+            for name, layer in zip(cases, self.layers):
+                path = layer.embeddings.path
+                if "ema" in name:
+                    self.seen[name] = to_np(optimizer.table_moving_average(path))
+                elif "swa" in name:
+                    self.seen[name] = to_np(optimizer.table_swa_average(path))
+            optimizer.catch_up_tables()  # (lazy=False rows brought up to this step)
+            for name, layer in zip(cases, self.layers):
+                if "decay" in name:  # (an int8 table's codes)
+                    on_disk = isinstance(layer.embeddings, disk_table.DiskTable)
+                    self.seen[name] = (layer.embeddings.numpy() if on_disk
+                                       else to_np(layer.embeddings))
+
+    on_disk, in_memory = Between(disk_layers), Between(memory_layers)
+    disk.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[on_disk])
+    memory.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[in_memory])
+    assert sorted(on_disk.seen) == sorted(cases)
+    for name in cases:
+        np.testing.assert_array_equal(np.asarray(on_disk.seen[name], np.float64),
+                                      np.asarray(in_memory.seen[name], np.float64),
+                                      err_msg=name)
+    for name, d, m in zip(cases, disk_layers, memory_layers):
+        np.testing.assert_array_equal(d.embeddings.numpy().astype(np.float64),
+                                      to_np(m.embeddings), err_msg=name)
+    assert {16, 40 % 16} <= set(parts_of_16_rows)
+
+
+def test_ids_outside_a_table_on_disk_look_up_none_of_its_rows(tmp_path):
+    # They read zeros and are not lookups of any row: nothing cached, counted or written.
+    ids = keras.Input((3,), dtype="int32")
+    layer = sparseopt.layers.SparseEmbedding(
+        10, 2, sparseopt.updaters.SGD(0.1), storage=OnDisk(str(tmp_path / "t"), cache_rows=8),
+        name="e")
+    model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(layer(ids))))
+    model.compile(optimizer=sparseopt.DispatchOptimizer("sgd"), loss="mse")
+    x = np.array([[-1, 10, 99]] * 8, "int32")
+    model.fit(x, np.ones((8, 1), "float32"), verbose=0)
+    stats = layer.disk_stats()
+    assert (stats["hits"], stats["misses"], stats["rows_written"]) == (0, 0, 0), stats
+    assert int(to_np(layer.num_dropped_ids)) == 24  # (counted as dropped, as in memory)
+    np.testing.assert_array_equal(to_np(layer(x)), 0.0)
+
+
+def test_a_table_on_disk_is_read_by_an_eager_call(tmp_path):
+    # Outside any traced step (a user's `layer(x)`, `model(x)`): the rows as stored.
+    layer = sparseopt.layers.SparseEmbedding(
+        10, 2, sparseopt.updaters.SGD(0.1), storage=OnDisk(str(tmp_path / "t"), cache_rows=8),
+        combiner=None, name="e")
+    x = np.array([[1, 5, 9]] * 8 + [[0, -1, 10]] * 8, "int32")
+    got = to_np(layer(x))
+    rows = np.vstack([layer.embeddings.numpy(), np.zeros((1, 2))])  # (row 10: zeros)
+    np.testing.assert_array_equal(got, rows[np.where((x >= 0) & (x < 10), x, 10)])
 
 
 @pytest.mark.jax_session  # (once, in a JAX child: XLA reads its flags when it starts)
 def test_tables_on_disk_equal_memory_at_xlas_default_flags(tmp_path):
     # `make test` compiles with flags that cut compile time (Makefile); users compile
-    # at XLA's defaults. The exactness tests (`at_default_flags`), in a child
-    # compiling at the defaults.
+    # at XLA's defaults. The exactness tests (`at_default_flags`, here and in
+    # test_disk_vocabulary.py), in a child compiling at the defaults.
     env = child_env("jax", test_xla=False)
     assert not [f for f in _TEST_FLAGS if f in env.get("XLA_FLAGS", "")]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p",
-                           "no:cacheprovider", "tests/test_disk_tables.py", "-k",
-                           "as_in_memory", "--basetemp", str(tmp_path / "child")],
+                           "no:cacheprovider", "tests/test_disk_tables.py",
+                           "tests/test_disk_vocabulary.py", "-k", "as_in_memory",
+                           "--basetemp", str(tmp_path / "child")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "6 passed" in proc.stdout, proc.stdout[-3000:]
+    assert proc.returncode == 0 and "9 passed" in proc.stdout, proc.stdout[-3000:]
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
-def test_options_that_need_every_row_are_refused_naming_the_table(tmp_path, name):
+def test_options_a_table_on_disk_cannot_take_are_refused_naming_the_table(tmp_path, name):
     entry, cfg = REFUSED[name]
     model, _, _ = _model({name: (entry, cfg, "float32", {})},
                          lambda i, s: OnDisk(str(tmp_path / "t"), **s))
@@ -327,9 +478,6 @@ def test_what_a_table_on_disk_cannot_do_yet_is_refused_with_the_fix(tmp_path):
         sparseopt.layers.SparseEmbedding(10, 2, sparseopt.updaters.SGD(0.1),
                                          embeddings_initializer="glorot_uniform",
                                          storage=OnDisk(str(tmp_path / "v")))(ids)
-    with pytest.raises(ValueError, match="'d': an open vocabulary on disk"):
-        sparseopt.layers.DynamicEmbedding(10, 2, sparseopt.updaters.SGD(0.1), name="d",
-                                          storage=OnDisk(str(tmp_path / "w")))
     for bad, match in (({"path": ""}, "path"), ({"path": "p", "cache_rows": 0}, "cache_rows"),
                        ({"path": "p", "policy": "fifo"}, "policy")):
         with pytest.raises(ValueError, match=match):

@@ -24,9 +24,10 @@ def _rows(emb):
     return to_np(emb.embeddings).copy()
 
 
-@pytest.mark.parametrize("kind", ["memory", "int8", "int8 caught up", "disk"])
+@pytest.mark.parametrize("kind", ["memory", "int8", "int8 caught up", "disk",
+                                  "disk caught up"])
 def test_a_frozen_layer_trains_none_of_its_tables(tmp_path, kind):
-    extra = {"disk": {"storage": OnDisk(str(tmp_path / "t"), cache_rows=8)}}.get(kind, {})
+    extra = {"storage": OnDisk(str(tmp_path / "t"), cache_rows=8)} if "disk" in kind else {}
     if "int8" in kind:
         extra["dtype"] = "int8"
     # "caught up": lazy=False with weight decay, whose end of fit would move every row.
@@ -43,6 +44,7 @@ def test_a_frozen_layer_trains_none_of_its_tables(tmp_path, kind):
                   loss="mse")
     table, kernel = _rows(emb), to_np(head.kernel).copy()
     model.fit(x, y, batch_size=8, verbose=0)
+    model.optimizer.catch_up_tables()  # (between steps, as the end of fit: nothing either)
     np.testing.assert_array_equal(_rows(emb), table)
     assert not np.array_equal(to_np(head.kernel), kernel)
     emb.trainable = True

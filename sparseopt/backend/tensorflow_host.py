@@ -21,8 +21,14 @@ def host_read(fn, args, outputs):
         args: its tensor arguments.
         outputs: `[(shape, dtype)]` of its results (dimensions may be None).
     """
-    out = tf.numpy_function(lambda *a: list(fn(*a)), list(args),
-                            [tf.as_dtype(dtype) for _, dtype in outputs], stateful=True)
+    dtypes = [tf.as_dtype(dtype) for _, dtype in outputs]
+    if len(dtypes) == 1:
+        # One result asked for as one: eagerly, TF splits a one-element list of results
+        # along its first axis (a `[8, 3, 2]` result came back as eight `[3, 2]` ones).
+        out = [tf.numpy_function(lambda *a: fn(*a)[0], list(args), dtypes[0],
+                                 stateful=True)]
+    else:
+        out = tf.numpy_function(lambda *a: list(fn(*a)), list(args), dtypes, stateful=True)
     for value, (shape, _) in zip(out, outputs):
         value.set_shape(shape)
     return tuple(out)

@@ -17,8 +17,6 @@ import keras
 import numpy as np
 
 from sparseopt import backend
-from sparseopt.disk import int8_columns
-from sparseopt.storage import quantization
 
 
 def available_memory():
@@ -103,11 +101,7 @@ def rows_variable(table, owner):
             "memory from its files is not supported yet: export on a machine with that much "
             "memory available.")
     with backend.outside_trace():
-        values = table.numpy()
-        dtype = table.dtype
-        if table.int8:  # (served as the layer reads it: codes / scale, float32)
-            values = keras.ops.convert_to_numpy(quantization.dequantize(
-                values, table.numpy(int8_columns.SCALE)))
-            dtype = "float32"
+        values = table.rows_read()  # (an int8 table's as its layer reads them: float32)
+    dtype = "float32" if table.int8 else table.dtype
     return keras.Variable(values, dtype=dtype, trainable=True,
                           name=f"{table.path.replace('/', '_')}_for_serving")

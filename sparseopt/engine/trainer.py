@@ -372,10 +372,17 @@ class TableTrainer:
             steps_done: int, the optimizer's iteration count.
             learning_rate_scale: as for `values_at`.
         """
+        if self.frozen:  # (a frozen layer's table is not trained: nothing to catch up)
+            return
         hp = self._last_values(steps_done, learning_rate_scale)
-        for wrapper in self.updater.wrappers:
-            if wrapper.tracks_rows:
-                catch_up_whole(wrapper, self.updater, self.row_storage, steps_done, hp)
+        wrappers = [w for w in self.updater.wrappers if w.tracks_rows]
+
+        def work(storage):
+            for wrapper in wrappers:
+                catch_up_whole(wrapper, self.updater, storage, steps_done, hp)
+
+        if wrappers:  # (on every row: part by part where the kind says, `each_part`)
+            self.row_storage.each_part(work)
 
     def end_of_fit(self, steps_done, learning_rate_scale=1.0):
         """Each wrapper's end of `fit`, in order (every row caught up; the table takes its
@@ -385,10 +392,15 @@ class TableTrainer:
         Args:
             steps_done, learning_rate_scale: as for `catch_up`.
         """
-        if not self.frozen:  # (a frozen layer's table is not trained: nothing to catch up)
+        if not self.frozen and self.updater.wrappers:
+            # (A frozen layer's table is not trained: nothing to catch up.)
             hp = self._last_values(steps_done, learning_rate_scale)
-            for wrapper in self.updater.wrappers:
-                wrapper.end_of_fit(self.updater, self.row_storage, steps_done, hp)
+
+            def work(storage):
+                for wrapper in self.updater.wrappers:
+                    wrapper.end_of_fit(self.updater, storage, steps_done, hp)
+
+            self.row_storage.each_part(work)  # (every row: part by part where it must be)
         self.row_storage.end_of_fit()
 
     @property
@@ -399,14 +411,20 @@ class TableTrainer:
 
     def moving_average(self, steps_done, learning_rate_scale=1.0):
         """The table's moving average at `steps_done` (`ema_momentum` only), a tensor."""
-        return self._wrapper(MovingAverage).average(
-            self.updater, self.row_storage, steps_done,
-            self._last_values(steps_done, learning_rate_scale))
+        return self._whole_average(MovingAverage, steps_done,
+                                   self._last_values(steps_done, learning_rate_scale))
 
     def swa_average(self, steps_done):
         """The table's SWA average after `steps_done` steps (`swa_period` only), a tensor."""
-        return self._wrapper(WeightAverage).average(self.updater, self.row_storage,
-                                                    steps_done, None)
+        return self._whole_average(WeightAverage, steps_done, None)
+
+    def _whole_average(self, kind, steps_done, hp):
+        """The average of wrapper `kind` over every row (a tensor the table's size), read
+        part by part where the kind says (`each_part`); nothing is written."""
+        parts = []
+        self.row_storage.each_part(lambda storage: parts.append(
+            self._wrapper(kind).average(self.updater, storage, steps_done, hp)), writes=False)
+        return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=0)
 
     def skipped_steps(self):
         return int(ops.convert_to_numpy(self.skipped.value))

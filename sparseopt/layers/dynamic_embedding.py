@@ -5,7 +5,7 @@ import numpy as np
 from keras import ops
 
 from sparseopt import backend, distribution
-from sparseopt.layers.sparse_embedding import SparseEmbedding
+from sparseopt.layers.sparse_embedding import SparseEmbedding, disk_record, snapshot_of
 from sparseopt.ops.lookup import PlainOptimizerGuard, check_ids_dtype, layer_state
 from sparseopt.vocabulary import keys as keys_lib
 from sparseopt.vocabulary import new_rows, tombstones
@@ -53,7 +53,9 @@ class DynamicEmbedding(SparseEmbedding):
         combiner: None, `"sum"` or `"mean"`, as for `SparseEmbedding` (ids
             reading zeros count in no mean; ids reading the trained default
             row count like any).
-        storage: as for `SparseEmbedding`.
+        storage: as for `SparseEmbedding`; with `sparseopt.storage.OnDisk(...)`
+            the rows and their per-row state are in files (a cache of them in
+            memory), the map in memory (docs/disk.md).
         default_row: what ids not held read: `"zeros"` (their gradients go
             nowhere) or `"trained"` (one more row of the table, after the
             `capacity` rows ids are given, shared by every id not held and
@@ -91,10 +93,6 @@ class DynamicEmbedding(SparseEmbedding):
         rows = self._capacity + (default_row == "trained")
         super().__init__(rows, output_dim, updater, embeddings_initializer, combiner,
                          storage, **kwargs)
-        if self.on_disk:
-            raise ValueError(f"DynamicEmbedding '{self.name}': an open vocabulary on disk "
-                             "(storage=OnDisk) is not supported yet; use a SparseEmbedding "
-                             "on disk, or this layer in memory.")
         new_rows.check(self.embeddings_initializer, self.name)
         self.key_halves = bool(key_halves)
         self.vocabulary = OpenVocabulary(
@@ -122,7 +120,10 @@ class DynamicEmbedding(SparseEmbedding):
                 f"DynamicEmbedding '{self.name}': a trained default row makes the table "
                 f"capacity + 1 rows, which its map (capacity rows) cannot be split by rows "
                 f"with. On a table split by rows, use default_row='zeros'.")
-        self.vocabulary.build(self.embeddings_initializer, self._add_state, int8=self.int8)
+        # (On disk, rows given to new ids are written by the optimizer's step, int8 ones
+        # too: `DiskRows.start`; in memory, an int8 table's are written by the next call.)
+        self.vocabulary.build(self.embeddings_initializer, self._add_state,
+                              int8=self._int8_in_memory)
         for written in (self.vocabulary.pending, self.vocabulary.cycle_start):
             # Written by the optimizer's step only.
             written.constraint = PlainOptimizerGuard(self.name, self.embeddings.path)
@@ -203,28 +204,48 @@ class DynamicEmbedding(SparseEmbedding):
             lambda f: keras.KerasTensor(self.compute_output_shape(f.shape),
                                         dtype=self.compute_dtype), ids)
 
+    @property
+    def _int8_in_memory(self):
+        """The `Int8Table` of an int8 table in memory; None otherwise (on disk, an int8
+        table's codes and scales are columns of its files)."""
+        return None if self.on_disk else self.int8
+
     def _table_variables(self):
-        """The table's own variables: the table, or an int8 table's codes and scales."""
+        """The table's own variables: the table, or an int8 table's codes and scales
+        (a table on disk has none: its entry is a record naming a snapshot)."""
+        if self.on_disk:
+            return []
         if self.int8 is None:
             return [self.embeddings]
         return [self.embeddings, self.embeddings_scale]
 
     def save_own_variables(self, store):
         """The table (an int8 table's codes and scales, its buffered rows written
-        first), then the map (`OpenVocabulary.variables`, its hand-over with it)."""
-        if self.int8 is not None:
+        first; a table on disk's snapshot, named), then the map
+        (`OpenVocabulary.variables`, its hand-over with it), taken together between
+        steps: a snapshot and the map of one moment."""
+        if self.on_disk:
             with backend.outside_trace():
-                self.int8.flush()
-        for i, variable in enumerate([*self._table_variables(), *self.vocabulary.variables]):
+                table = [disk_record(self.embeddings.snapshot(), self.embeddings.shape)]
+        else:
+            if self.int8 is not None:
+                with backend.outside_trace():
+                    self.int8.flush()
+            table = self._table_variables()
+        for i, variable in enumerate([*table, *self.vocabulary.variables]):
             store[str(i)] = variable
 
     def load_own_variables(self, store):
-        variables = [*self._table_variables(), *self.vocabulary.variables]
+        table = [None] if self.on_disk else self._table_variables()
+        variables = [*table, *self.vocabulary.variables]
         if len(store.keys()) != len(variables):
             raise ValueError(
                 f"Layer '{self.name}' expected {len(variables)} variables (its table and "
                 f"its id map), but received {len(store.keys())} variables during loading.")
         values = [store[str(i)] for i in range(len(variables))]
+        snapshot = None
+        if self.on_disk:  # (checked first: a load that fails changes nothing)
+            snapshot = snapshot_of(values[0], self.name, self.embeddings)
         ring = self.vocabulary.tombstones
         at = next(i for i, v in enumerate(variables) if v is ring.log)
         if tuple(values[at].shape) != tuple(ring.log.shape):
@@ -236,12 +257,16 @@ class DynamicEmbedding(SparseEmbedding):
             except ValueError as e:
                 raise ValueError(f"Layer '{self.name}': {e}") from None
         for i, variable in enumerate(variables):
-            if tuple(values[i].shape) != tuple(variable.shape):
+            if variable is not None and tuple(values[i].shape) != tuple(variable.shape):
                 raise ValueError(
                     f"Layer '{self.name}': the file's {variable.name} has shape "
                     f"{tuple(values[i].shape)}, this layer's {tuple(variable.shape)}.")
-            variable.assign(values[i])
-        if self.int8 is not None:
+        if snapshot is not None:
+            self.embeddings.restore(snapshot)
+        for variable, value in zip(variables, values):
+            if variable is not None:
+                variable.assign(value)
+        if self._int8_in_memory is not None:
             self.int8.clear()  # the file's rows are current (the map's hand-over stays)
 
     def vocabulary_stats(self):
@@ -273,7 +298,10 @@ class DynamicEmbedding(SparseEmbedding):
         """
         with backend.outside_trace():
             self.vocabulary.write_hand_over()  # an int8 table's rows, as the next call would
-        table = self.embeddings if self.int8 is None else _Int8Rows(self.int8)
+        if self.on_disk:
+            table = _DiskRows(self.embeddings)
+        else:
+            table = self.embeddings if self.int8 is None else _Int8Rows(self.int8)
         return self.vocabulary.delta(int(since_step), table, self.name,
                                      trained_default=self.default_row == "trained")
 
@@ -282,6 +310,23 @@ class DynamicEmbedding(SparseEmbedding):
         config.pop("input_dim")
         return {**config, "capacity": self.capacity, "key_halves": self.key_halves,
                 "default_row": self.default_row, **self.vocabulary.get_config()}
+
+
+class _DiskRows:
+    """A table on disk as `OpenVocabulary.delta` reads it: rows by id, as its lookup
+    reads them, without changing its cache."""
+
+    def __init__(self, table):
+        self.table = table
+        self.shape = table.shape
+
+    def rows(self, ids):
+        """float32 (or 16-bit) rows `ids`, as the lookup reads them.
+
+        Args:
+            ids: int row ids (a tensor or array).
+        """
+        return self.table.rows_read(np.asarray(ops.convert_to_numpy(ids)))
 
 
 class _Int8Rows:

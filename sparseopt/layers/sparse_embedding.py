@@ -31,18 +31,19 @@ def disk_record(snapshot, shape):
     return np.frombuffer(text.encode(), np.uint8)
 
 
-def snapshot_of(store, layer_name, table):
+def snapshot_of(entry, layer_name, table):
     """The snapshot a file's record names for `table` (a `DiskTable`).
 
     Args:
-        store: the layer's entries in the file being loaded.
+        entry: the file's entry for the table (`disk_record`'s array), or None
+            where the file holds none (another number of entries).
         layer_name: for messages.
         table: the layer's `DiskTable`.
 
     Raises:
         ValueError: the file holds something else (a table's values, another shape).
     """
-    entry = np.asarray(store["0"]) if len(store.keys()) == 1 else None
+    entry = None if entry is None else np.asarray(entry)
     record = None
     if entry is not None and entry.dtype == np.uint8 and entry.ndim == 1:
         try:
@@ -202,7 +203,7 @@ class SparseEmbedding(keras.layers.Layer):
     def _build_on_disk(self, path, shape):
         """The table in files (`sparseopt.disk`): rows and each per-row slot of the updater."""
         if keras.distribution.distribution() is not None:
-            raise ValueError(f"SparseEmbedding '{self.name}': a table on disk under a "
+            raise ValueError(f"{type(self).__name__} '{self.name}': a table on disk under a "
                              "keras.distribution (tables split or replicated over devices) is "
                              "not supported yet; build it outside the distribution's scope.")
         settings = storage_lib.of_table(self.storage, self.updater, path)
@@ -316,7 +317,8 @@ class SparseEmbedding(keras.layers.Layer):
         and "2"): they are skipped (the count restarts at 0).
         """
         if self.on_disk:
-            self.embeddings.restore(snapshot_of(store, self.name, self.embeddings))
+            entry = store["0"] if len(store.keys()) == 1 else None
+            self.embeddings.restore(snapshot_of(entry, self.name, self.embeddings))
             return
         if self.int8 is not None:
             self._load_int8(store)

@@ -133,7 +133,15 @@ def disabled():
 def enabled(kernel):
     """Whether steps traced now use native kernel `kernel` (`"bf16_writes"` or `"dedup"`
     on JAX, `"tf_dedup"` on TensorFlow, `"disk_host"` for tables on disk on either):
-    switched on (or on by default), built and loaded."""
+    switched on (or on by default), built and loaded; never while Keras exports a model
+    (`model.export`): a SavedModel serves without sparseopt, so it holds no call into
+    its kernels (and JAX's export refuses custom calls it does not know)."""
+    from sparseopt import compat  # (here: compat imports Keras)
+
+    # (The host library of tables on disk is called on every step, never in an
+    # export, which reads its rows from a variable: no stack walk for it.)
+    if kernel != "disk_host" and compat.exporting() is not None:
+        return False
     flag = _state["enabled"]
     on = DEFAULTS[kernel] if flag is None else flag
     return on and available(FRAMEWORK.get(kernel, "jax"))

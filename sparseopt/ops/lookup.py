@@ -190,7 +190,7 @@ class SparseLookup:
                 dropped, in training or not.)
         """
         valid, safe_ids, update_ids = self._prepare(ids)
-        read = self._read(safe_ids)
+        read = self._read(safe_ids, valid)
         rows = ops.where(ops.expand_dims(valid, -1), ops.cast(read, self.compute_dtype), 0.0)
         # The rows of an int8 table or a table on disk travel with their gradients
         # (`RowGrads.read`): its step starts from them (`RowStorage.reads_lookups`).
@@ -270,8 +270,14 @@ class SparseLookup:
         update_ids = ops.reshape(ops.where(valid, ids, self.table.shape[0]), (-1,))
         return valid, safe_ids, update_ids
 
-    def _read(self, safe_ids):
-        """The rows `safe_ids` as stored (float32 for an int8 table)."""
+    def _read(self, safe_ids, valid):
+        """The rows `safe_ids` as stored (float32 for an int8 table).
+
+        Args:
+            safe_ids: the ids, invalid ones replaced by 0.
+            valid: where the ids are valid (a table on disk reads no row for the
+                others: no lookup of row 0 is counted or cached for them).
+        """
         if self.int8 is not None:
             return self.int8.read(safe_ids)
         if self.on_disk:
@@ -279,7 +285,7 @@ class SparseLookup:
             if archive is not None:  # a SavedModel serves without the host
                 with compat.read_as_stored():
                     return backend.read_rows(self.exported.read_by(archive), safe_ids)
-            return self.table.read_rows(safe_ids)
+            return self.table.read_rows(ops.where(valid, safe_ids, -1))
         with compat.read_as_stored():
             return backend.read_rows(self.table, safe_ids)
 

@@ -11,9 +11,12 @@ rounded by the same bits, an int8 table's quantized as the int8 kind
 quantizes them) are written back to the cache: the same values as the
 in-memory kinds', bit for bit.
 
-What needs every row at once (the end of `fit`'s catch-up and averages, a
-whole slot started from the table) or rows given to new ids (open
-vocabularies) is refused for now, naming the table (`check`).
+Rows an open vocabulary gives to new ids start afresh through the same
+write (`start`): their first values and every per-row slot's start, in the
+same host write as a step's. Whole-table work between steps (the end of
+`fit`'s catch-up and averages) runs part by part (`each_part`,
+`disk_parts.py`). What is refused for now, naming the table (`check`):
+Lookahead's sync inside a step, a whole slot started from the table.
 """
 
 from keras import ops
@@ -21,6 +24,8 @@ from keras import ops
 from sparseopt import backend
 from sparseopt.disk.int8_columns import SCALE
 from sparseopt.disk.table import ROWS, DiskTable
+from sparseopt.storage import quantization
+from sparseopt.storage.disk_parts import RowsPart
 from sparseopt.storage.int8 import quantized
 from sparseopt.storage.rows import RowStorage
 
@@ -50,18 +55,15 @@ class DiskRows(RowStorage):
         if not isinstance(table, DiskTable):
             raise ValueError(f"{where}: only a `sparseopt.layers.SparseEmbedding` keeps its "
                              "table on disk; this table is a variable in memory.")
-        if updater.wrappers:
-            names = sorted(type(w).__name__ for w in updater.wrappers)
+        if updater.lookahead is not None:
             raise ValueError(
-                f"{where}: its updater's options {names} (lazy=False, ema_momentum, swa_*, "
-                "lookahead_*) work on every row of the table at the end of fit or at a "
-                "sync, which a table on disk does not support yet. Use them on a table in "
-                "memory, or train this one without them.")
+                f"{where}: its updater's `lookahead_*` syncs, inside a step, every row changed "
+                "in its window, which a table on disk does not support yet (its step reaches "
+                "only the rows its lookups read). Use Lookahead on a table in memory, or "
+                "train this one without it.")
         if any(s.from_table is not None for s in updater.slots):
             raise ValueError(f"{where}: {type(updater).__name__} starts its state from every "
                              "row of the table, which a table on disk does not support yet.")
-        if vocabulary is not None:
-            raise ValueError(f"{where}: an open vocabulary on disk is not supported yet.")
         if backend.replica_strategy() is not None:
             raise ValueError(f"{where}: a table on disk under a distribution strategy "
                              "(each replica a copy of the table) is not supported yet; train "
@@ -125,29 +127,46 @@ class DiskRows(RowStorage):
               rounded=True):
         values = {}
         if rows is not None and self.table.int8:
-            # Codes and scale, quantized as an int8 table in memory writes them.
-            values[ROWS], values[SCALE] = quantized(rows, ids, step, self.rounding)
+            # Codes and scale, quantized as an int8 table in memory writes them: a
+            # step's with its rounding, a row's fresh start (`rounded` False) to nearest.
+            values[ROWS], values[SCALE] = (quantized(rows, ids, step, self.rounding) if rounded
+                                           else quantization.quantize(rows))
         elif rows is not None:
-            values[ROWS] = self._stored(rows, ROWS, ids, step, row_stream, rounded)
+            values[ROWS] = self.stored(rows, ROWS, ids, step, row_stream, rounded)
         for name, value in state.items():
-            values[name] = self._stored(value, name, ids, step, self.streams[name], rounded)
+            values[name] = self.stored(value, name, ids, step, self.streams[name], rounded)
         self.table.write(ids, values, count, keep)
 
-    def _stored(self, values, column, ids, step, stream, rounded):
+    def stored(self, values, column, ids, step, stream, rounded):
         """`values` as column `column` keeps them (rounded as a step's 16-bit writes)."""
         dtype = self.table.columns[column].dtype
         if rounded:
             values = self.rounding.stored(values, dtype, step, ids, stream)
         return ops.cast(values, dtype)
 
-    def start(self, ids, rows, keep, step):
-        raise ValueError(f"{_named(self.table)}: rows given to new ids "
-                         "(an open vocabulary) are not supported on disk yet.")
+    def slot_layout(self, name):
+        column = self.table.columns.get(name)  # (per-row slots are columns of the files)
+        return None if column is None else (column.dtype, column.tail)
 
     ends_fit = True
 
     def end_of_fit(self):
         self.table.flush()  # (the cache's rows into the files, the files to disk)
+
+    def each_part(self, work, writes=True):
+        """Whole-table work part by part (`disk_parts.RowsPart`, `DiskTable.each_part`): the
+        table may be larger than memory. The work is row by row, so the parts give what
+        the whole table would.
+
+        Args:
+            work, writes: as for `RowStorage.each_part`.
+        """
+        def part(ids, stored):
+            rows = RowsPart(self, ids, stored)
+            work(rows)
+            return rows.written()
+
+        self.table.each_part(part, writes=writes)
 
     def values(self):
         raise ValueError(f"{_named(self.table)}: whole-table work "

@@ -159,11 +159,11 @@ class Int8Table:
             values: the new rows.
             quantize: `quantize(values, ids)` -> `(codes, scale)` of the rows.
         """
-        old = self.whole()
-        changed = ops.any(ops.not_equal(values, old), axis=-1)
-        codes, scale = quantize(values, ops.arange(values.shape[0], dtype="int32"))
-        self.codes.assign(ops.where(ops.expand_dims(changed, -1), codes, self.codes.value))
-        self.scale.assign(ops.where(changed, scale, self.scale.value))
+        new = quantize(values, ops.arange(values.shape[0], dtype="int32"))
+        codes, scale = quantization.where_changed(values, self.whole(),
+                                                  (self.codes.value, self.scale.value), new)
+        self.codes.assign(codes)
+        self.scale.assign(scale)
         self.clear()
 
     # -- the optimizer's side ---------------------------------------------

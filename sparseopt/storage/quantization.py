@@ -59,3 +59,19 @@ def quantize(rows, bits=None):
 def dequantize(codes, scale):
     """float32 rows `codes / scale` (codes `[..., D]`, scale `[...]`), as Keras reads them."""
     return ops.cast(codes, "float32") / ops.expand_dims(ops.cast(scale, "float32"), -1)
+
+
+def where_changed(values, read, old, new):
+    """`(codes, scale)`: `new` for the rows whose float32 `values` differ from what the table
+    reads for them now (`read`), `old` for the others: a row written again unchanged keeps
+    its codes and scale bit for bit (requantized, they could change).
+
+    Args:
+        values: float32 `[M, D]`, the rows' new values.
+        read: float32 `[M, D]`, what the table reads for them now (`dequantize(*old)`).
+        old: `(codes, scale)` the rows have.
+        new: `(codes, scale)` of `values`.
+    """
+    changed = ops.any(ops.not_equal(values, read), axis=-1)
+    return (ops.where(ops.expand_dims(changed, -1), new[0], old[0]),
+            ops.where(changed, new[1], old[1]))

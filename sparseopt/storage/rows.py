@@ -175,12 +175,18 @@ class RowStorage:
         shape = (ops.shape(ids)[0],)
         state = {}
         for spec in self.specs:
-            if spec.per_row and spec.name in self.slots:
-                var = self.slots[spec.name]
+            layout = self.slot_layout(spec.name) if spec.per_row else None
+            if layout is not None:
+                dtype, tail = layout
                 value = step if spec.holds_step else spec.initial_value
-                state[spec.name] = ops.broadcast_to(ops.cast(value, var.dtype),
-                                                    shape + tuple(var.shape[1:]))
+                state[spec.name] = ops.broadcast_to(ops.cast(value, dtype), shape + tail)
         self.write(ids, rows, state, step, keep=keep, rounded=False)
+
+    def slot_layout(self, name):
+        """`(dtype, tail)` of per-row slot `name`'s rows, or None where the kind keeps
+        none (the base kinds: its variable's)."""
+        var = self.slots.get(name)
+        return None if var is None else (var.dtype, tuple(var.shape[1:]))
 
     # -- the whole table, between steps ---------------------------------------
 
@@ -189,6 +195,20 @@ class RowStorage:
 
     def end_of_fit(self):
         """What the kind does once `fit` ends, after the wrappers' end of `fit`."""
+
+    def each_part(self, work, writes=True):
+        """Runs whole-table work `work(storage)` (row by row: each row's result depends on
+        its own values and state) on every row: here on the whole table at once; a kind
+        whose table is larger than memory hands it one part at a time (a `RowStorage`
+        over some rows: `sparseopt.storage.disk_parts`).
+
+        Args:
+            work: reads and assigns the table through the storage it is given
+                (`values`, `state_values`, `assign_values`, `assign_state`, `slots`).
+            writes: False where the work only reads (an average): a kind may then
+                keep what it caches.
+        """
+        work(self)
 
     def values(self):
         """float32 `[V, D]`: every row (whole-table work: the end of `fit`, averages)."""

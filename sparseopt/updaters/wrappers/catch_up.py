@@ -226,8 +226,11 @@ class CatchUp:
 def catch_up_whole(wrapper, updater, storage, steps_done, hp):
     """Writes `wrapper.caught_up` of the whole table (rows and every slot) through `storage`
     (whole-table work, between steps), rounded as a step's writes are."""
-    state = {s.name: storage.state_values(s.name) for s in updater.slots}
-    rows, state = wrapper.caught_up(updater, storage.values(), state, steps_done, hp)
+    read = {s.name: storage.state_values(s.name) for s in updater.slots}
+    rows, state = wrapper.caught_up(updater, storage.values(), read, steps_done, hp)
     storage.assign_values(rows, steps_done)
     for spec in updater.slots:
-        storage.assign_state(spec.name, state[spec.name], steps_done)
+        # (A whole slot the catch-up passed through unchanged is not written again: it
+        # is the table's, and storage working part by part has only a part's rows.)
+        if spec.per_row or state[spec.name] is not read[spec.name]:
+            storage.assign_state(spec.name, state[spec.name], steps_done)
