@@ -83,6 +83,42 @@ def replicated_beside(table, ndim):
     return keras.distribution.TensorLayout((None,) * ndim, layout.device_mesh)
 
 
+def check_on_this_host(layer_name, path, shape):
+    """Refuses an active distribution that would split a table on disk, or run it in
+    several processes.
+
+    A table on disk lives in files on this host and is read and written by the step's
+    host calls (`sparseopt.disk`): under a distribution that keeps it whole
+    (`keras.distribution.DataParallel`: the batch split over this process's devices,
+    the variables replicated) it trains as on one device. A layout splitting its path
+    would be ignored silently (it is no variable), and several processes would each
+    open their own files: both are refused, naming the table.
+
+    Args:
+        layer_name: the owning layer's name, for the message.
+        path: the table's path, as a `LayoutMap` would see it.
+        shape: the table's shape.
+    """
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return
+    layout = distribution.get_variable_layout(compat.variable_stand_in(path, shape))
+    split = [axis for axis in (getattr(layout, "axes", ()) or ()) if axis is not None]
+    if split:
+        raise ValueError(
+            f"Layer '{layer_name}': the distribution splits its table on disk '{path}' "
+            f"over devices (mesh axes {split}), but a table on disk is no array on the "
+            "devices: its rows are in files on this host, read and written by the step. "
+            "Leave its path out of the LayoutMap (the rest of the model may be split).")
+    import jax  # (a keras.distribution is JAX's)
+
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"Layer '{layer_name}': a table on disk ('{path}') under a distribution over "
+            f"{jax.process_count()} processes is not supported yet (each would open its "
+            "own files); train it in one process, over its devices.")
+
+
 def check_even_split(layer_name, path, shape):
     """Refuses a variable the active distribution would split unevenly.
 

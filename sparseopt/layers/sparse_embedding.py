@@ -9,7 +9,7 @@ from sparseopt import backend, compat
 from sparseopt import storage as storage_lib
 from sparseopt import updaters as updaters_lib
 from sparseopt.disk.table import DiskTable
-from sparseopt.distribution import check_even_split
+from sparseopt.distribution import check_even_split, check_on_this_host
 from sparseopt.storage.block_init import add_table
 from sparseopt.storage.int8_table import Int8Table
 from sparseopt.ops.lookup import PlainOptimizerGuard, SparseLookup, check_ids_dtype, layer_state
@@ -202,10 +202,7 @@ class SparseEmbedding(keras.layers.Layer):
 
     def _build_on_disk(self, path, shape):
         """The table in files (`sparseopt.disk`): rows and each per-row slot of the updater."""
-        if keras.distribution.distribution() is not None:
-            raise ValueError(f"{type(self).__name__} '{self.name}': a table on disk under a "
-                             "keras.distribution (tables split or replicated over devices) is "
-                             "not supported yet; build it outside the distribution's scope.")
+        check_on_this_host(self.name, path, shape)  # (a DataParallel model: allowed)
         settings = storage_lib.of_table(self.storage, self.updater, path)
         # (An int8 table on disk keeps its codes and scales in its files: `self.int8`
         # stays unbuilt, for the layer's config.)
