@@ -102,21 +102,31 @@ def check_on_this_host(layer_name, path, shape):
     distribution = keras.distribution.distribution()
     if distribution is None:
         return
-    layout = distribution.get_variable_layout(compat.variable_stand_in(path, shape))
-    split = [axis for axis in (getattr(layout, "axes", ()) or ()) if axis is not None]
+    if keras.backend.backend() != "jax":
+        raise ValueError(
+            f"Layer '{layer_name}': a table on disk ('{path}') under a keras.distribution "
+            f"on {keras.backend.backend()} is not supported; train it outside the "
+            "distribution's scope (on JAX, data parallel works).")
+    split = [axis for axis in _layout_of(distribution, path, shape).axes if axis is not None]
     if split:
         raise ValueError(
             f"Layer '{layer_name}': the distribution splits its table on disk '{path}' "
             f"over devices (mesh axes {split}), but a table on disk is no array on the "
             "devices: its rows are in files on this host, read and written by the step. "
             "Leave its path out of the LayoutMap (the rest of the model may be split).")
-    import jax  # (a keras.distribution is JAX's)
+    import jax  # (JAX's: checked above)
 
     if jax.process_count() > 1:
         raise ValueError(
             f"Layer '{layer_name}': a table on disk ('{path}') under a distribution over "
             f"{jax.process_count()} processes is not supported yet (each would open its "
             "own files); train it in one process, over its devices.")
+
+
+def _layout_of(distribution, path, shape):
+    """The `TensorLayout` `distribution` gives a variable of `path` and `shape` not yet
+    created (its `LayoutMap`'s, or replicated)."""
+    return distribution.get_variable_layout(compat.variable_stand_in(path, shape))
 
 
 def check_even_split(layer_name, path, shape):
@@ -133,8 +143,7 @@ def check_even_split(layer_name, path, shape):
     distribution = keras.distribution.distribution()
     if distribution is None:
         return
-    probe = compat.variable_stand_in(path, shape)
-    layout = distribution.get_variable_layout(probe)
+    layout = _layout_of(distribution, path, shape)
     mesh = distribution.device_mesh
     sizes = dict(zip(mesh.axis_names, mesh.shape))
     for dim, axis in enumerate(getattr(layout, "axes", ()) or ()):

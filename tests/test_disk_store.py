@@ -266,6 +266,18 @@ def test_disk_is_reserved_for_every_byte_a_write_touches(tmp_path, monkeypatch):
     blocks = [p for n, o, n_ in asked if n == "rows.bin"
               for p in range(o // page, -(-(o + n_) // page))]
     assert blocks == [2, 3, 4]  # (bytes 2.5 to 5 blocks)
+    # A row on two blocks, the first reserved by an earlier write and the second not:
+    # the second is reserved when the row is written (rows whose blocks are all
+    # reserved are let through without a look: `RowFiles.reserve`).
+    asked.clear()
+    two = make_files(tmp_path / "two", num_rows=4 * page, width=5)
+    row = page // 20  # (its 20 bytes straddle the first two blocks of rows.bin)
+    two.write(np.array([row - 1]), {"rows": np.ones((1, 5)), "acc": np.ones(1),
+                                    "last": np.ones(1)})
+    assert [o for n, o, _ in asked if n == "rows.bin"] == [0]
+    two.write(np.array([row]), {"rows": np.ones((1, 5)), "acc": np.ones(1),
+                                "last": np.ones(1)})
+    assert [o for n, o, _ in asked if n == "rows.bin"] == [0, page]
 
 
 def test_the_cache_counts_hits_misses_and_rows_moved(tmp_path):

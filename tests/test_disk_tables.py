@@ -329,14 +329,16 @@ def test_ids_outside_a_table_on_disk_look_up_none_of_its_rows(tmp_path):
     np.testing.assert_array_equal(to_np(layer(x)), 0.0)
 
 
-def test_a_table_on_disk_is_read_by_an_eager_call(tmp_path):
-    # Outside any traced step (a user's `layer(x)`, `model(x)`): the rows as stored.
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_a_table_on_disk_is_read_by_an_eager_call(tmp_path, dtype):
+    # Outside any traced step (a user's `layer(x)`, `model(x)`): the rows as the layer
+    # reads them (an int8 table's host call returns two results: codes and scales).
     layer = sparseopt.layers.SparseEmbedding(
         10, 2, sparseopt.updaters.SGD(0.1), storage=OnDisk(str(tmp_path / "t"), cache_rows=8),
-        combiner=None, name="e")
+        combiner=None, name="e", dtype=dtype)
     x = np.array([[1, 5, 9]] * 8 + [[0, -1, 10]] * 8, "int32")
     got = to_np(layer(x))
-    rows = np.vstack([layer.embeddings.numpy(), np.zeros((1, 2))])  # (row 10: zeros)
+    rows = np.vstack([layer.embeddings.rows_read(), np.zeros((1, 2))])  # (row 10: zeros)
     np.testing.assert_array_equal(got, rows[np.where((x >= 0) & (x < 10), x, 10)])
 
 

@@ -30,17 +30,17 @@ CAPACITY, WIDTH, IDS = 24, 3, 40
 
 
 def _start_features(case):
-    """What writing a row's fresh start depends on for a case: the table's dtype, its
-    rounding, and each per-row slot's kind, dtype, whether it starts at a nonzero value
-    or at the step; whole slots (never reset); no per-row slot at all."""
+    """What writing a row's fresh start depends on for a case: the table's dtype, and each
+    per-row slot's kind, dtype, whether it starts at a nonzero value or at the step; no
+    per-row slot at all. (How each rule then updates rows on disk, its rounding and whole
+    slots included, is test_disk_tables' registry test.)"""
     entry, cfg, dtype, settings = case
     settings = {**{k: v for k, v in cfg.items() if k in STORAGE_KEYS}, **settings}
     state = settings.get("state_dtype", "float32")
     updater = entry(0.05, **{k: v for k, v in cfg.items() if k not in STORAGE_KEYS})
-    found = {("table", dtype, settings.get("stochastic_rounding", True))}
+    found = {("table", dtype)}
     found |= {("slot", s.kind, s.dtype_for(state), s.initial_value != 0, s.holds_step)
               for s in updater.slots if s.per_row}
-    found |= {("whole",)} if any(not s.per_row for s in updater.slots) else set()
     return found if any(s.per_row for s in updater.slots) else found | {("no slot",)}
 
 

@@ -310,6 +310,9 @@ class DiskTable:
                 the rows worked on before it.
         """
         rows_per_part = rows_per_part or PART_ROWS
+        if rows_per_part % 16:
+            raise ValueError(f"{self._owner}: parts of whole-table work are a multiple of "
+                             f"16 rows (see PART_ROWS), not {rows_per_part}.")
         self._check_open()
         self._settle()
         self._written_back(empty=writes)

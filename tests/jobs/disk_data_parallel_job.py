@@ -44,8 +44,7 @@ def train(folder, layer_of, name):
         m.embeddings.assign(rows)
     heads = _heads(disk_heads)
     _set_heads(memory_heads, heads)
-    x, y = _data(len(CASES), rows=64)
-    x = np.where(x < 0, 0, x)  # (an open vocabulary's raw ids: any value; kept alike)
+    x, y = _data(len(CASES), rows=64)  # (ids outside a SparseEmbedding's table: dropped)
     with data_parallel.scope():  # (Keras splits each batch over the devices in `fit`)
         disk.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     assert len(disk_heads[0].kernel.value.sharding.device_set) == len(jax.devices())
@@ -60,6 +59,9 @@ def train(folder, layer_of, name):
         assert d.disk_stats()["misses"] > 0, case
         if hasattr(d, "held_ids"):
             assert d.held_ids() == m.held_ids(), case
+        else:
+            dropped = int(to_np(d.num_dropped_ids))
+            assert dropped > 0 and dropped == int(to_np(m.num_dropped_ids)), case
 
 
 def main():
