@@ -211,10 +211,9 @@ class DynamicEmbedding(SparseEmbedding):
         return None if self.on_disk else self.int8
 
     def _table_variables(self):
-        """The table's own variables: the table, or an int8 table's codes and scales
-        (a table on disk has none: its entry is a record naming a snapshot)."""
-        if self.on_disk:
-            return []
+        """The table's own variables in memory: the table, or an int8 table's codes and
+        scales (a table on disk has none: its entry in a file is a record naming a
+        snapshot, `save_own_variables`)."""
         if self.int8 is None:
             return [self.embeddings]
         return [self.embeddings, self.embeddings_scale]
