@@ -192,6 +192,105 @@ def training_batch(optimizer):
     return None
 
 
+def batches_seen_ahead(model, see):
+    """Makes JAX `fit` of `model` call `see(batch)` on each batch one step before the step
+    that trains on it (`sparseopt.disk.look_ahead`).
+
+    Keras' JAX trainer takes a step's batch inside `model.train_function(state,
+    iterator)` (`next(iterator)`, once per step of a call), which `fit` gets from
+    `model.make_train_function()`. The function made is wrapped once: each
+    iterator it is given is read one batch ahead, as Keras' own
+    `_one_batch_ahead_iterator` reads it on accelerators (the batch after is
+    taken when a step's is, and handed to that next step), across calls and
+    epochs that pass the same iterator. `see` is the latest given.
+
+    Args:
+        model: a Keras model (JAX backend).
+        see: a function of one batch (what `next(iterator)` gives).
+    """
+    model.__dict__["_sparseopt_see_ahead"] = see
+    if "_sparseopt_make_train_function" in model.__dict__:
+        return
+    made = type(model).make_train_function.__get__(model)
+
+    def make_train_function(force=False):
+        made(force=force)  # (sets `model.train_function`; Keras returns nothing)
+        function = model.train_function
+        if function is not None and not getattr(function, "_sparseopt_ahead", False):
+            model.train_function = _AheadCall(function, model)
+
+    # (In the instance's dict, past Keras' attribute tracking: a function, no state.)
+    model.__dict__["_sparseopt_make_train_function"] = made
+    model.__dict__["make_train_function"] = make_train_function
+    if getattr(model, "train_function", None) is not None:
+        make_train_function()  # (one made by an earlier `fit`)
+
+
+class _AheadCall:
+    """`model.train_function`, reading each iterator it is given one batch ahead."""
+
+    _sparseopt_ahead = True
+
+    def __init__(self, function, model):
+        import functools
+        import weakref
+
+        self.function = function
+        # No reference back to this object from its reader: freed as soon as Keras drops
+        # it (a new `compile`), its jitted step goes with it. (JAX keys its trace cache
+        # by the step's function, a bound method equal to the next compile's: a trace
+        # kept alive by a cycle would be reused for a model whose layers' `trainable`
+        # changed, with no variable to tell them apart.)
+        self._see = functools.partial(_see_ahead, weakref.ref(model))
+        self._iterator = self._reader = None
+
+    def __call__(self, state, iterator):
+        if iterator is not self._iterator:
+            self._iterator, self._reader = iterator, _AheadReader(iterator, self._see)
+        return self.function(state, self._reader)
+
+
+def _see_ahead(model_ref, batch):
+    """The latest `see` given for the model (`batches_seen_ahead`), on `batch`."""
+    model = model_ref()
+    see = None if model is None else model.__dict__.get("_sparseopt_see_ahead")
+    if see is not None:
+        see(batch)
+
+
+class _AheadReader:
+    """An iterator giving `iterator`'s batches, each taken one batch early."""
+
+    def __init__(self, iterator, see):
+        self._iterator, self._see = iterator, see
+        self._next, self._ended = None, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._next is None:
+            if self._ended:
+                raise StopIteration
+            self._next = self._take()  # (the first: seen as it is taken)
+            if self._next is None:
+                raise StopIteration
+        batch, self._next = self._next, self._take()
+        return batch
+
+    def _take(self):
+        """The iterator's next batch, seen; None at its end (and after)."""
+        if self._ended:
+            return None
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            self._ended = True
+            return None
+        self._see(batch)
+        return batch
+
+
 def wrapper_building(optimizer):
     """The `LossScaleOptimizer` whose `build` is building `optimizer`, or None.
 

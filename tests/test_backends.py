@@ -353,3 +353,47 @@ def test_tables_get_the_summed_gradients_result_where_plain_keras_on_tf_does_not
         assert gap > 1e-5, gap
     else:  # the same dense gradient (0 here; rounding apart on other XLA versions)
         assert gap <= 1e-6, gap
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow",
+                    reason="JAX orders host calls as effects (a token through every one)")
+def test_host_calls_inside_run_if_stay_in_program_order():
+    # A conditional over variables (Lookahead's sync, an accumulated update) holding host
+    # calls (a table on disk): they run after the host calls before it and before those
+    # after it, even where nothing else orders them (on TensorFlow a cond over variables
+    # is ordered by its variables only, and ran its host read before a slower host write).
+    import time
+
+    import tensorflow as tf
+
+    from sparseopt import backend
+
+    log = []
+    flag = keras.Variable(0, dtype="int32", trainable=False)
+
+    def write(x):
+        time.sleep(0.05)
+        log.append("write")
+
+    def read(x):
+        log.append("read")
+        return (np.int32(1),)
+
+    def after(x):
+        log.append("after")
+
+    def step(x):
+        backend.host_write(write, [x])
+
+        def taken():
+            backend.host_read(read, [flag.value], [((), "int32")])
+            flag.assign(flag.value + 1)
+
+        backend.run_if(ops.greater(x, 0), taken, [flag])
+        backend.host_write(after, [x])
+        return x
+
+    traced = tf.function(step)
+    for _ in range(3):
+        traced(tf.constant(1))
+    assert log == ["write", "read", "after"] * 3

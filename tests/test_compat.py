@@ -231,6 +231,33 @@ def test_jax_train_state():
     assert len(state) == 4 and len(state[0]) == 2
 
 
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX's fit takes batches so")
+def test_jax_fit_shows_each_batch_one_step_ahead():
+    # Keras' JAX `fit` takes each step's batch in `model.train_function(state, iterator)`,
+    # made by `make_train_function`: seen one step early, trained on in order, across
+    # epochs that share an iterator (`steps_per_epoch`), and after a second `fit`.
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False)])
+    model.compile(optimizer="sgd", loss="mse")
+    seen, trained = [], []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            trained.append(len(seen))  # (batches seen when this step begins)
+
+    compat.batches_seen_ahead(model, lambda batch: seen.append(int(batch[0][0, 0])))
+    x = np.arange(6, dtype="float32").reshape(6, 1)
+    model.fit(x, x, batch_size=1, epochs=2, steps_per_epoch=3, shuffle=False, verbose=0,
+              callbacks=[Record()])
+    assert seen == [0, 1, 2, 3, 4, 5]
+    # Step k begins with k + 1 batches seen, bar the first (the batch after it is taken
+    # inside the step's call, when its own batch is); the last has no batch after it.
+    assert trained == [0, 2, 3, 4, 5, 6]
+    model.fit(x[:2], x[:2], batch_size=1, shuffle=False, verbose=0)  # (wrapped once)
+    assert seen[6:] == [0, 1]
+    model.train_on_batch(x[:1], x[:1])
+    assert seen[8:] == [0]
+
+
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TF's XLA context")
 def test_tensorflow_xla_context():
     import tensorflow as tf

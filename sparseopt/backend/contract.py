@@ -147,7 +147,8 @@ CONTRACT = {
     "has_int64": "`has_int64()`: whether int64 arrays exist (JAX: only with "
                  "`jax_enable_x64`).",
     "run_if": "`run_if(pred, fn, variables)`: runs `fn` (assigning some of `variables`) only "
-              "where `pred` holds, in place.",
+              "where `pred` holds, in place; host calls in `fn` keep program order with the "
+              "step's others.",
     "write_rows": "`write_rows(variable, start, rows)`: rows written at a (traced) offset.",
     "at_least_zero": "`at_least_zero(value, message)`: a traced size checked when the step "
                      "runs.",

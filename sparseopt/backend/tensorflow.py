@@ -244,7 +244,18 @@ def run_if(pred, fn, variables):
     """
     context = replica_context()
     if context is None:
-        tf.cond(pred, lambda: _ran(fn), lambda: tf.constant(False))
+        # Host calls in `fn` (a table on disk) stay in program order with the step's
+        # others. A `tf.function` orders stateful ops with no resource input among
+        # themselves (the host calls: automatic control dependencies), and ops with
+        # resource inputs by resource only: a cond over variables would not be ordered
+        # after the host calls before it (measured: its host read ran before an earlier
+        # host write). `tf.timestamp`, stateful with no resource input, stands in it
+        # that order on each side of the cond.
+        before = tf.timestamp()
+        with tf.control_dependencies([before]):
+            ran = tf.cond(pred, lambda: _ran(fn), lambda: tf.constant(False))
+        with tf.control_dependencies([ran]):
+            tf.timestamp()
         return
 
     def cross(strategy, pred):

@@ -29,6 +29,10 @@ DEFAULT_WAYS = 8
 _TICK_BITS = 40
 # LFU's counts stop here, so that `uses << _TICK_BITS` stays a positive int64.
 _MAX_USES = (1 << 22) - 1
+# `RowCache.counts`: its reads' hits and misses (the host library adds to these two),
+# then what a table on disk counts of its steps (`DiskTable`): the steps whose rows
+# were fetched ahead, and the misses of steps' own reads.
+HITS, MISSES, AHEAD, MISSED_AT_STEP = range(4)
 
 
 class RowCache:
@@ -60,13 +64,15 @@ class RowCache:
         self.data = {name: np.zeros((entries,) + col.tail, files.maps[name].dtype)
                      for name, col in files.columns.items()}
         self.tick = np.zeros((1,), np.int64)  # (arrays: the native cache writes them too)
-        self.counts = np.zeros((2,), np.int64)  # hits, misses
+        self.counts = np.zeros((4,), np.int64)  # HITS, MISSES, AHEAD, MISSED_AT_STEP
         self.lock = threading.RLock()
 
     @property
     def stats(self):
-        """`{"hits", "misses"}` so far."""
-        return {"hits": int(self.counts[0]), "misses": int(self.counts[1])}
+        """`{"hits", "misses", "steps_fetched_ahead", "missed_at_step"}` so far."""
+        return {"hits": int(self.counts[HITS]), "misses": int(self.counts[MISSES]),
+                "steps_fetched_ahead": int(self.counts[AHEAD]),
+                "missed_at_step": int(self.counts[MISSED_AT_STEP])}
 
     @property
     def capacity(self):
@@ -115,7 +121,8 @@ class RowCache:
                 out[name][hit] = array[slots]
             self._touch(sets[hit], ways[hit])
             missed = np.flatnonzero(~hit)
-            self.counts += (int(hit.sum()), int(missed.size))
+            self.counts[HITS] += int(hit.sum())
+            self.counts[MISSES] += int(missed.size)
             if missed.size:
                 fetched = self.files.read(ids[missed])
                 for name in out:

@@ -31,7 +31,9 @@ from sparseopt import backend
 from sparseopt.disk import host_ops, int8_columns, snapshots
 from sparseopt.disk.background import Background
 from sparseopt.disk.initial_rows import InitialRows
+from sparseopt.disk.look_ahead import Upcoming, valid_or_minus_one
 from sparseopt.disk.native_cache import make_cache
+from sparseopt.disk.row_cache import AHEAD, HITS, MISSED_AT_STEP, MISSES
 from sparseopt.disk.row_files import Column, RowFiles
 from sparseopt.storage import quantization
 
@@ -88,6 +90,9 @@ class DiskTable:
         # The first failure of the work beside the step (a full disk): the table lacks
         # that step's rows, so it refuses to go on until a load replaces them.
         self._failed = None
+        # The batches `fit` showed ahead, whose rows are fetched beside the step before.
+        self._upcoming = Upcoming(self.shape[0])
+        self._following = None  # (the next to fetch, once the step's rows are written)
         self._open()
 
     def _open(self):
@@ -124,33 +129,41 @@ class DiskTable:
 
     # -- from traced code --------------------------------------------------
 
-    def read(self, ids, names=(ROWS,)):
+    def read(self, ids, names=(ROWS,), counted=True, lookup=False):
         """The values of columns `names` at `ids`: a tuple of `ids.shape + tail` tensors
         (float32, or int32 for integer state); ids outside the table read zeros.
 
         Args:
             ids: int ids, any shape (a batch's: repeats and invalid ids allowed).
             names: the columns (`"rows"`, per-row slots' names).
+            counted: False for a read that is no lookup (Lookahead's sync): nothing is
+                counted, cached or evicted.
+            lookup: whether this is a layer's lookup of a batch's ids (`read_rows`),
+                which `fit` may have shown the table ahead (`look_ahead`).
         """
         shape = tuple(ids.shape)
         outputs = [(shape + self.columns[n].tail, self.carried_dtype(n)) for n in names]
 
         def read(ids):
-            return self._read_host(np.asarray(ids), names)
+            if not counted:
+                return self._look_host(np.asarray(ids), names)
+            return self._read_host(np.asarray(ids), names, lookup)
 
         return backend.host_read(read, [ops.cast(ids, "int32")], outputs)
 
-    def read_rows(self, ids):
+    def read_rows(self, ids, lookup=True):
         """The rows at `ids` as a lookup reads them (traced): float32 (an int8 table's
         `codes / scale`, as Keras reads its int8 `Embedding`), or the table's 16-bit
         values carried in float32; ids outside the table read zeros.
 
         Args:
             ids: int ids, any shape.
+            lookup: whether a layer's lookup reads them (`read`'s): False for a step's
+                own reads of its rows.
         """
         if not self.int8:
-            return self.read(ids)[0]
-        codes, scale = self.read(ids, (ROWS, int8_columns.SCALE))
+            return self.read(ids, lookup=lookup)[0]
+        codes, scale = self.read(ids, (ROWS, int8_columns.SCALE), lookup=lookup)
         # (Ids outside the table read codes 0 and scale 0: zeros, not 0 / 0.)
         return ops.where(ops.expand_dims(ops.equal(scale, 0.0), -1), 0.0,
                          quantization.dequantize(codes, scale))
@@ -194,28 +207,93 @@ class DiskTable:
         def write(ids, count, keep, *arrays):
             self._write_host(np.asarray(ids), int(count), np.asarray(keep),
                              dict(zip(names, arrays)))
+            following, self._following = self._following, None
+            if following is not None:
+                self._fetch(following)  # (the next step's rows, while this step ends)
 
         backend.host_write(write, args)
 
     # -- on the host -------------------------------------------------------
 
-    def _read_host(self, ids, names):
+    def ahead(self, ids):
+        """Foresees the ids a step will read after those already foreseen: their rows are
+        brought into the cache beside the step before it (`look_ahead`), where
+        `fetch_ahead` is on. What any step reads and writes is unchanged.
+
+        Args:
+            ids: int ids (any shape, repeats and invalid ids allowed).
+        """
+        if not self.settings.fetch_ahead or self._closed or self._failed is not None:
+            return
+        entry = self._upcoming.add(ids)
+        if entry is not None:
+            self._fetch(entry)
+
+    def _fetch(self, entry):
+        """Brings a `Foreseen` batch's rows into the cache, on the thread beside the step."""
+        cache, num_rows = self.cache, self.shape[0]
+
+        def fetch():
+            entry.distinct = host_ops.distinct(entry.ids, num_rows)
+            if cache is self.cache:  # (a load or whole-table work replaced it: let go)
+                cache.read_distinct(entry.distinct.ids)
+                cache.counts[AHEAD] += 1
+                entry.counted = True
+
+        self._background.submit(fetch)
+
+    def _read_host(self, ids, names, lookup=False):
         self._check_open()
-        batch = host_ops.distinct(ids, self.shape[0])  # (one read of each distinct row)
+        entry = following = None
+        if lookup:  # (the batch `fit` showed ahead, if it is this one)
+            entry, following = self._upcoming.reached(valid_or_minus_one(ids, self.shape[0]))
+        if entry is not None and entry.started:
+            self._settle()  # (its fetch, and the work before it, done)
+        fetched = entry is not None and entry.counted
+        batch = entry.distinct if fetched else host_ops.distinct(ids, self.shape[0])
         found = self._recent(batch.ids)
         if found is None:
             self._settle()  # (the last write and evictions, applied)
-            found = self.cache.read_distinct(batch.ids)
+            found = self._step_read(batch.ids, fetched)
             with self._recent_lock:
                 self._last_read = (batch, found)
             # The rows this read evicted reach the files while the step runs.
             self._background.submit(self.cache.drain)
+        if following is not None:
+            # Fetched once this step's rows are written (`write`): a fetch before would
+            # evict rows the step still writes, to be read again.
+            self._following = following
+        return self._gathered(found, batch, ids, names)
+
+    def _look_host(self, ids, names):
+        """`_read_host` changing nothing in the cache (no row cached, evicted or counted)."""
+        self._check_open()
+        self._settle()
+        batch = host_ops.distinct(ids, self.shape[0])
+        return self._gathered(self.cache.peek(batch.ids), batch, ids, names)
+
+    def _gathered(self, found, batch, ids, names):
+        """Columns `names` of the distinct rows `found` (`{column: values}` of `batch.ids`)
+        at each of `ids` (zeros where invalid), as they cross the host boundary."""
         out = []
         for name in names:
             values = host_ops.gather(found[name], batch.inverse)  # (invalid ids: zeros)
             values = values.astype(self.carried_dtype(name), copy=False)
             out.append(values.reshape(ids.shape + self.columns[name].tail))
         return tuple(out)
+
+    def _step_read(self, ids, fetched):
+        """A step's read of distinct `ids` through the cache (nothing else reads it
+        meanwhile: the thread beside the step has settled). Rows `fetched` ahead were
+        counted then: only those missed again (evicted since) count now."""
+        counts = self.cache.counts
+        before = counts[[HITS, MISSES]].copy()
+        found = self.cache.read_distinct(ids)
+        hits, misses = counts[[HITS, MISSES]] - before
+        counts[MISSED_AT_STEP] += misses
+        if fetched:
+            counts[HITS] -= hits
+        return found
 
     def _recent(self, wanted):
         """`{column: values}` of `wanted` (distinct ids) from the last read, where it read
@@ -346,6 +424,7 @@ class DiskTable:
             counts = self.cache.counts.copy()
             self._new_cache()
             self.cache.counts[:] = counts
+            self._upcoming.clear()
 
     def flush(self):
         """Writes the cache's dirty rows to the files, and the files to disk."""
@@ -436,6 +515,7 @@ class DiskTable:
                     self._last_read = None
                 self.files.reopen()
                 self._new_cache()
+                self._upcoming.clear()
 
     def snapshots(self):
         """The names of the table's complete snapshots, oldest first."""

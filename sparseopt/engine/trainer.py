@@ -25,6 +25,7 @@ from sparseopt.updaters.core.hyperparameters import Values
 from sparseopt.updaters.wrappers.catch_up import catch_up_whole
 from sparseopt.updaters.wrappers.ema import MovingAverage
 from sparseopt.updaters.wrappers.swa import WeightAverage
+from sparseopt.engine.lookahead_list import LookaheadList
 from sparseopt.engine.lookahead_window import LookaheadWindow
 
 
@@ -93,6 +94,9 @@ class TableTrainer:
         self.decays = True
         # `lookahead_period`: the rows changed in the current window (set by `build`).
         self.lookahead = None
+        # The ids one step looks up, where the table's Lookahead list is sized by them
+        # (`lists_window_rows`; set by `DispatchOptimizer.build`).
+        self.ids_per_step = None
         # An int8 table's codes, scales and write buffer (`sparseopt.storage.int8_table`), or None.
         self.int8 = getattr(getattr(source, "lookup", None), "int8", None)
         self._optimizer = None  # weak reference to the optimizer that built it
@@ -111,6 +115,13 @@ class TableTrainer:
     def name(self):
         """The table's path."""
         return self.table.path
+
+    @property
+    def lists_window_rows(self):
+        """Whether the table's Lookahead window is a list sized by the ids a step looks up
+        (`engine.lookahead_list`: its kind of rows keeps no entry per row in memory)."""
+        return (self.updater.lookahead is not None
+                and not kind_for(self.storage, self.int8 is not None).lookahead_per_row)
 
     def check(self):
         """Raises if the table cannot be trained as configured, before any state exists.
@@ -177,9 +188,16 @@ class TableTrainer:
                 shape=(), dtype="float32", initializer=_Filled(value),
                 name=f"{prefix}_hyperparameter_{name}")
         for wrapper in self.updater.wrappers:
-            if wrapper.keeps_window:  # (Lookahead: the rows changed since its last sync)
+            if not wrapper.keeps_window:
+                continue
+            # Lookahead: the rows changed since its last sync, an entry per table row,
+            # or (a table on disk) a list bounded by the window's steps' ids.
+            if kind.lookahead_per_row:
                 self.lookahead = LookaheadWindow(wrapper.period, wrapper.step_size)
                 self.lookahead.build(optimizer, table, prefix)
+            else:
+                self.lookahead = LookaheadList(wrapper.period, wrapper.step_size)
+                self.lookahead.build(optimizer, table, prefix, self.ids_per_step)
         self._optimizer = weakref.ref(optimizer)
         self.updater.bind(self)
 

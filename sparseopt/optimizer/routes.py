@@ -13,6 +13,8 @@ import keras
 from sparseopt import backend, compat
 from sparseopt.engine import accumulation
 from sparseopt.engine.group import group_trainers
+from sparseopt.disk import look_ahead
+from sparseopt.disk.table import DiskTable
 from sparseopt.engine.trainer import TableTrainer
 from sparseopt.ops.row_sources import LookupRows, SlicedRows
 from sparseopt.optimizer import checks, routing
@@ -89,8 +91,16 @@ class Routes:
         # `optimizer.build`) creates each variable once.
         for trainer in self._trainers.values():
             trainer.check()
-        ids_per_step = (self._ids_per_step(model) if self.gradient_accumulation_steps
-                        else None)
+        ids_per_step = None
+        if self.gradient_accumulation_steps:
+            trainers = list(self._trainers.values())
+            ids_per_step = self._ids_per_step(model, trainers, "gradient_accumulation_steps")
+            self.accumulation_ids_per_step = {t.name: ids_per_step[id(t)] for t in trainers}
+        listing = [t for t in self._trainers.values() if t.lists_window_rows]
+        if listing:  # (Lookahead's list on disk: `engine.lookahead_list`)
+            counts = self._ids_per_step(model, listing, "Lookahead on a table on disk")
+            for trainer in listing:
+                trainer.ids_per_step = counts[id(trainer)]
         if self._installed:
             scaled = self.loss_scale_factor is not None or self.loss_scaling_wrapper is not None
             checks.install_options(sorted(v.path for v in self._installed.values()), scaled,
@@ -158,9 +168,23 @@ class Routes:
         pending, self._pending_state = getattr(self, "_pending_state", None), None
         if pending is not None:
             self._assign_state(pending)
+        look_ahead.install(model, self._tables_to_fetch_ahead())
 
-    def _ids_per_step(self, model):
-        """`{id(trainer): ids its table looks up per step}`, for accumulation buffers.
+    def _tables_to_fetch_ahead(self):
+        """`[(DiskTable, layer)]`: the tables on disk whose rows `fit` may fetch one step
+        ahead (`sparseopt.disk.look_ahead`): looked up by their layer's ids as they are
+        (an open vocabulary's rows follow from its map, in the step)."""
+        found = []
+        for trainer in self._trainers.values():
+            layer = (trainer.source.lookup.layer if isinstance(trainer.source, LookupRows)
+                     else None)
+            if (isinstance(trainer.table, DiskTable) and trainer.vocabulary is None
+                    and layer is not None and trainer.table.settings.fetch_ahead):
+                found.append((trainer.table, layer))
+        return found
+
+    def _ids_per_step(self, model, trainers, needs):
+        """`{id(trainer): ids its table looks up per step}` of `trainers`, to size buffers.
 
         Each `SparseLookup` counts the ids of the last forward pass it saw
         with a known batch shape: the traced step's own shapes. TF builds the
@@ -172,25 +196,29 @@ class Routes:
         model compiled with no loss or metrics) is the batch Keras holds
         found on the stack (`compat.training_batch`) and the model traced on
         it.
+
+        Args:
+            model: the model being trained, or None.
+            trainers: the tables' `TableTrainer`s.
+            needs: what needs the counts, for the error (`"gradient_accumulation_steps"`).
         """
         def counts():
             given = self.accumulation_ids_per_step
             return {id(t): given[t.name] if t.name in given else t.source.ids_per_step()
-                    for t in self._trainers.values()}
+                    for t in trainers}
 
         found = counts()
         if None in found.values() and model is not None:
             backend.trace_forward(model, lambda: compat.training_batch(self))
             found = counts()
-        missing = [t.name for t in self._trainers.values() if found[id(t)] is None]
+        missing = [t.name for t in trainers if found[id(t)] is None]
         if missing:
             raise ValueError(
-                f"DispatchOptimizer: gradient_accumulation_steps needs to know how many ids "
+                f"DispatchOptimizer: {needs} needs to know how many ids "
                 f"tables {missing} look up per step, to size their buffers, but no batch of "
                 "known shape has gone through them. Call the model on one training batch "
                 "(`model(x)`) before building the optimizer yourself, let `fit` / "
                 "`train_on_batch` build it, or pass `accumulation_ids_per_step={path: n}`.")
-        self.accumulation_ids_per_step = {t.name: found[id(t)] for t in self._trainers.values()}
         return found
 
     def _add_trainer(self, trainer):

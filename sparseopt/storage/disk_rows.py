@@ -15,8 +15,10 @@ Rows an open vocabulary gives to new ids start afresh through the same
 write (`start`): their first values and every per-row slot's start, in the
 same host write as a step's. Whole-table work between steps (the end of
 `fit`'s catch-up and averages) runs part by part (`each_part`,
-`disk_parts.py`). What is refused for now, naming the table (`check`):
-Lookahead's sync inside a step, a whole slot started from the table.
+`disk_parts.py`); Lookahead's sync reads the rows its window changed
+(`read_any`, `sparseopt.engine.lookahead_list`). What is refused for now,
+naming the table (`check`): Lookahead on an int8 table (as in memory), a
+whole slot started from the table.
 """
 
 from keras import ops
@@ -39,6 +41,10 @@ class DiskRows(RowStorage):
     # The step's rows are those its lookups read (`RowGrads.read`), already on
     # the device: only per-row state crosses from the host for the rule.
     reads_lookups = True
+    # ... and reads any other rows through its host calls too (Lookahead's sync),
+    # where keeping an entry per table row in memory is what it avoids.
+    reads_any_row = True
+    lookahead_per_row = False
     groups = False  # (a group's step carries its tables' variables)
     uses_workspace = False  # (one entry per row: memory in proportion to the table)
 
@@ -55,12 +61,11 @@ class DiskRows(RowStorage):
         if not isinstance(table, DiskTable):
             raise ValueError(f"{where}: only a `sparseopt.layers.SparseEmbedding` keeps its "
                              "table on disk; this table is a variable in memory.")
-        if updater.lookahead is not None:
+        if updater.lookahead is not None and table.int8:
             raise ValueError(
-                f"{where}: its updater's `lookahead_*` syncs, inside a step, every row changed "
-                "in its window, which a table on disk does not support yet (its step reaches "
-                "only the rows its lookups read). Use Lookahead on a table in memory, or "
-                "train this one without it.")
+                f"{where} (int8): {type(updater).__name__} with lookahead_period is not "
+                "supported on int8 tables, on disk as in memory. Leave it out, or store the "
+                "table in bfloat16 (half the memory of float32).")
         if any(s.from_table is not None for s in updater.slots):
             raise ValueError(f"{where}: {type(updater).__name__} starts its state from every "
                              "row of the table, which a table on disk does not support yet.")
@@ -119,9 +124,20 @@ class DiskRows(RowStorage):
         # from the host, which serves them from the lookup's read.
         if self.table.int8:
             state = self.table.read(ids, self.per_row) if self.per_row else ()
-            return self.table.read_rows(ids), dict(zip(self.per_row, state))
+            return self.table.read_rows(ids, lookup=False), dict(zip(self.per_row, state))
         values = self.table.read(ids, [ROWS, *self.per_row])
         return values[0], dict(zip(self.per_row, values[1:]))
+
+    def read_any(self, ids, names):
+        """`(rows, {slot: values})` of any rows `ids` (not only the step's lookups'), from
+        the host, without counting them as lookups; ids outside the table read zeros.
+
+        Args:
+            ids: int `[M]`.
+            names: the per-row slots to read.
+        """
+        values = self.table.read(ids, [ROWS, *names], counted=False)
+        return values[0], dict(zip(names, values[1:]))
 
     def write(self, ids, rows, state, step, count=None, keep=None, row_stream=0,
               rounded=True):

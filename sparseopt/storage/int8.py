@@ -30,6 +30,7 @@ class Int8Rows(InMemory):
     """An int8 table's rows (read from its lookups, written through its buffer) and state."""
 
     reads_lookups = True
+    reads_any_row = False  # (its write buffer holds a step's rows only)
     at_once = True
 
     def variables(self):

@@ -30,19 +30,26 @@ class OnDisk(TableStorage):
             down to whole sets of 8).
         policy: which cached row a full set evicts: `"lru"` (used longest
             ago) or `"lfu"` (used least often since cached).
+        fetch_ahead: whether JAX `fit` brings the next step's rows into the cache
+            while the current step runs (`sparseopt.disk.look_ahead`): it takes
+            each batch from the data one step early, as Keras' JAX trainer does on
+            accelerators. False: rows are fetched in the step that reads them.
+            What a step computes is the same either way.
         state_dtype, stochastic_rounding, rounding_seed: as for `TableStorage`.
     """
 
     path: str = None
     cache_rows: int = DEFAULT_CACHE_ROWS
     policy: str = "lru"
+    fetch_ahead: bool = True
 
     kind = "disk"
 
-    def __init__(self, path, cache_rows=DEFAULT_CACHE_ROWS, policy="lru", *,
+    def __init__(self, path, cache_rows=DEFAULT_CACHE_ROWS, policy="lru", *, fetch_ahead=True,
                  state_dtype="float32", stochastic_rounding=True, rounding_seed=0):
         # (Written out: the folder comes first, before the inherited settings.)
-        given = dict(path=path, cache_rows=cache_rows, policy=policy, state_dtype=state_dtype,
+        given = dict(path=path, cache_rows=cache_rows, policy=policy, fetch_ahead=fetch_ahead,
+                     state_dtype=state_dtype,
                      stochastic_rounding=stochastic_rounding, rounding_seed=rounding_seed)
         for name, value in given.items():
             object.__setattr__(self, name, value)
@@ -60,3 +67,6 @@ class OnDisk(TableStorage):
         if self.policy not in POLICIES:
             raise ValueError(f"OnDisk: `policy` must be one of {POLICIES}, got "
                              f"{self.policy!r}.")
+        if not isinstance(self.fetch_ahead, bool):
+            raise ValueError(f"OnDisk: `fetch_ahead` must be True or False, got "
+                             f"{self.fetch_ahead!r}.")

@@ -34,6 +34,13 @@ class RowStorage:
 
     # Whether `read` needs the step's context (the rows its lookups read).
     reads_lookups = False
+    # Whether a step can read rows its lookups did not read (Lookahead's sync of the
+    # rows its window changed): always where `read` needs no context.
+    reads_any_row = True
+    # Whether Lookahead's window may keep an entry per table row in memory
+    # (`engine.lookahead_window`); else a list bounded by a window's steps' ids
+    # (`engine.lookahead_list`).
+    lookahead_per_row = True
     # Whether a step reads and writes all of its distinct rows in one call
     # (never in a loop over chunks that carries `variables()`).
     at_once = False

@@ -116,14 +116,14 @@ class Lookahead:
 
     def check_storage(self, updater, table, kind):
         """Refuses a kind of row storage that cannot sync: one whose step sees only the
-        rows its lookups read (int8: `RowStorage.reads_lookups`), where a sync inside a
-        step of rows changed earlier in the window has no way in.
+        rows its lookups read (int8 in memory: `RowStorage.reads_any_row`), where a sync
+        inside a step of rows changed earlier in the window has no way in.
 
         Args:
             updater: the table's `Updater`; `table`: its path, for the message.
             kind: the table's `RowStorage` class.
         """
-        if kind.reads_lookups:
+        if not kind.reads_any_row:
             raise ValueError(
                 f"Table '{table}' (int8): {type(updater).__name__} with lookahead_period is "
                 "not supported on int8 tables: its sync reads and writes, inside a step, rows "

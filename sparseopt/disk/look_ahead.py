@@ -1,0 +1,201 @@
+"""The next batch's rows fetched while the current step runs (JAX `fit`).
+
+A step reads its rows from the table's cache; rows the cache misses are
+read from the files. Fetched in the step, they are on its critical path.
+Fetched ahead, they are not: `fit`'s loop hands each batch to the tables
+one step early (`compat.batches_seen_ahead`: the batch after the one a step
+trains on is taken from the data when that step's batch is), each table on
+disk works out the rows that batch will read (`RowsOf`: the model's own
+layers between its inputs and the table's layer, run on the batch), and
+the table's thread beside the step brings them into the cache once the
+current step has handed it its new rows, while that step ends and Keras'
+loop goes on (`Upcoming`, used by `DiskTable`).
+
+The cache is transparent: which rows it holds changes nothing a step reads
+or writes (a row is in the cache or in the files, never both out of date),
+so a fetch ahead changes when rows are read from the files, not what any
+step computes. The step's own read still finds each row, fetched or not:
+a row fetched ahead and evicted again before its step is read again, a
+batch whose ids the table did not foresee (another loop, a layer whose ids
+are not a function of the model's inputs) is read as without look-ahead.
+
+Keras' JAX trainer itself takes one batch ahead on accelerators
+(`_one_batch_ahead_iterator`): the data is consumed as there. Only JAX's
+`fit` is seen ahead (TensorFlow's `fit` takes its batches inside its
+compiled function).
+"""
+
+import collections
+import logging
+import threading
+
+import keras
+import numpy as np
+
+from sparseopt import compat
+
+# Batches a table keeps foreseen. One is what `fit` gives (the next step's);
+# with `steps_per_execution` a call takes several, and older ones are let go.
+KEPT = 16
+
+
+class Upcoming:
+    """The batches a table will read next, oldest first, each fetched ahead in turn.
+
+    The read of a batch names the next one to fetch (`reached`); the table
+    starts that fetch once the step's rows are written (before, it would evict
+    rows the step still writes). It runs on the table's thread beside the
+    step; the read of that batch waits for it like any work there, and takes
+    its distinct ids from it.
+
+    Args:
+        num_rows: the table's rows (ids outside are never fetched).
+    """
+
+    def __init__(self, num_rows):
+        self.num_rows = num_rows
+        self._batches = collections.deque()
+        self._lock = threading.Lock()
+
+    def add(self, ids):
+        """Foresees a batch's ids; its `Foreseen` if it is to be fetched now (nothing is
+        foreseen before it), else None.
+
+        Args:
+            ids: the ids the table's lookups will read in that step (any shape).
+        """
+        entry = Foreseen(valid_or_minus_one(ids, self.num_rows))
+        with self._lock:
+            self._batches.append(entry)
+            while len(self._batches) > KEPT:
+                self._batches.popleft()
+            if len(self._batches) == 1:
+                entry.started = True
+                return entry
+        return None
+
+    def reached(self, ids):
+        """A read of `ids` (`valid_or_minus_one`'s) is here: its `Foreseen` (or None), and
+        the next one to fetch once the read is done (or None).
+
+        The batches foreseen before the one read are let go (not read after all).
+        """
+        with self._lock:
+            found = next((k for k, entry in enumerate(self._batches)
+                          if np.array_equal(entry.ids, ids)), None)
+            if found is None:
+                return None, None
+            entry = self._batches[found]
+            for _ in range(found + 1):
+                self._batches.popleft()
+            following = self._batches[0] if self._batches else None
+            if following is None or following.started:
+                return entry, None
+            following.started = True
+            return entry, following
+
+    def clear(self):
+        """Forgets every batch foreseen (a load, a new cache)."""
+        with self._lock:
+            self._batches.clear()
+
+
+class Foreseen:
+    """A batch a table will read: its ids, whether its fetch was started, and once
+    fetched (`counted`: its rows were looked up in the cache, and counted there)
+    their `host_ops.Distinct`.
+
+    Args:
+        ids: int64 `[N]`, the ids as `valid_or_minus_one` gives them.
+    """
+
+    def __init__(self, ids):
+        self.ids, self.started, self.distinct, self.counted = ids, False, None, False
+
+
+def valid_or_minus_one(ids, num_rows):
+    """Int64 `[N]` ids, flat, those outside `[0, num_rows)` made -1 (as a lookup reads them)."""
+    ids = np.asarray(ids).reshape(-1).astype(np.int64)
+    return np.where((ids >= 0) & (ids < num_rows), ids, -1)
+
+
+class RowsOf:
+    """The ids a layer's lookups read, from a batch of its model's inputs.
+
+    Where the layer is called on one of the model's inputs, that input's
+    array in the batch; else the model's own layers from its inputs to the
+    layer, run on the batch (compiled once: a step's worth of ids each call).
+    Only stateless ones: a path through a layer with weights (another table, a
+    learned hash) is not run ahead, since its result could change in the step
+    before.
+
+    Args:
+        model: a functional Keras model (JAX backend).
+        layer: a layer called once in it, on ids.
+    """
+
+    def __init__(self, model, layer):
+        given = layer.input  # (raises for a layer called more than once)
+        inputs = keras.tree.flatten(model.input)
+        self._at = next((k for k, t in enumerate(inputs) if t is given), None)
+        self._count = len(inputs)
+        path = keras.Model(model.input, given)
+        if path.weights:
+            raise ValueError("the layer's ids come through layers with weights")
+        import jax  # (`install` makes one on JAX only; a step's worth of ids a call)
+
+        self._path = jax.jit(lambda x: path(x, training=False))
+
+    def __call__(self, x):
+        flat = keras.tree.flatten(x)
+        if self._at is not None and len(flat) == self._count:
+            return np.asarray(flat[self._at])
+        return np.asarray(self._path(x))
+
+
+def rows_of(model, layer):
+    """A `RowsOf` for `layer` in `model`, or None where its ids cannot be foreseen (a
+    subclassed model, a layer called more than once, ids through layers with weights)."""
+    try:
+        return RowsOf(model, layer)
+    except Exception as error:  # noqa: BLE001 (no look-ahead; the step reads as before)
+        logging.getLogger("sparseopt.disk").info(
+            "Layer '%s': its table's rows are not fetched ahead (%s).", layer.name, error)
+        return None
+
+
+def install(model, tables):
+    """Makes JAX `fit` of `model` show each table its next batch's ids one step ahead.
+
+    Args:
+        model: the Keras model being trained.
+        tables: `[(DiskTable, layer)]`, the tables to fetch ahead and their layers.
+    """
+    if keras.backend.backend() != "jax" or model is None:
+        return
+    seen = [(table, path) for table, layer in tables
+            if (path := rows_of(model, layer)) is not None]
+    if seen:
+        compat.batches_seen_ahead(model, _Foresee(seen))
+
+
+class _Foresee:
+    """`see(batch)`: each table told the ids it will read for that batch (a table whose
+    ids cannot be worked out from it is let go: its rows are fetched in the step)."""
+
+    def __init__(self, seen):
+        self.seen = list(seen)
+
+    def __call__(self, batch):
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
+        for item in list(self.seen):
+            table, path = item
+            try:
+                ids = path(x)
+            except Exception as error:  # noqa: BLE001 (no look-ahead; nothing else changes)
+                logging.getLogger("sparseopt.disk").warning(
+                    "Table '%s': its rows are no longer fetched ahead: its ids could not be "
+                    "worked out from a batch (%s).", table.path, error)
+                self.seen.remove(item)
+                continue
+            table.ahead(ids)

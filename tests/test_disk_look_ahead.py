@@ -1,0 +1,210 @@
+"""The next step's rows fetched ahead (`OnDisk(fetch_ahead=True)`, JAX `fit`).
+
+What it must hold, through `fit` as users train:
+
+- nothing a step computes changes: tables on disk end bit for bit where the
+  same tables in memory end, and where the same tables on disk without
+  look-ahead end (the cache is transparent);
+- on JAX every step's rows were in the cache before the step read them
+  (`missed_at_step` 0 with a cache that holds the table), counted once: the
+  hits and misses are a NumPy count of each step's distinct ids (a row's first
+  step misses, later ones hit); on TensorFlow nothing is fetched ahead;
+- the data is consumed as Keras' own look-ahead on accelerators consumes it:
+  a generator shared by epochs trains on the same batches, in order, and one
+  batch more is taken from it by the end of `fit` (documented);
+- ids a layer reads through layers of the model (a slice, a cast) are
+  foreseen; ids through a layer with weights are not (fetched in the step).
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import sparseopt
+from sparseopt.storage import OnDisk
+from tests.conftest import to_np
+
+ROWS, WIDTH = 50, 3
+JAX = keras.backend.backend() == "jax"
+# A cache no set of which overflows with these 50 rows (sets of 8, picked by a hash).
+HOLDS_ALL = 1024
+
+
+class Shift(keras.layers.Layer):
+    """Ids plus a weight (0): ids a step could change, which are not foreseen."""
+
+    def build(self, shape):
+        self.shift = self.add_weight(shape=(), initializer="zeros", dtype="int32",
+                                     trainable=False)
+
+    def call(self, ids):
+        return ids + self.shift
+
+
+def _model(storages, through=("input", "slice", "weights")):
+    """Three tables: looked up on a model input, on a slice of one, and through `Shift`.
+
+    Args:
+        storages: each table's `storage=` (None: in memory).
+        through: the tables kept, by how their ids reach them.
+    """
+    keras.utils.set_random_seed(3)
+    first = keras.Input((2,), dtype="int32", name="first")
+    rest = keras.Input((4,), dtype="int32", name="rest")
+    ids = {"input": first, "slice": rest[:, 1:3], "weights": Shift()(rest[:, :2])}
+    outs, layers = [], []
+    for i, (how, storage) in enumerate(zip(through, storages)):
+        layer = sparseopt.layers.SparseEmbedding(
+            ROWS, WIDTH, sparseopt.updaters.RowwiseAdagrad(0.1), storage=storage,
+            embeddings_initializer=keras.initializers.RandomUniform(-0.5, 0.5, seed=i),
+            name=f"t_{how}")
+        layers.append(layer)
+        outs.append(keras.layers.Dense(1, name=f"head_{how}")(
+            keras.layers.Flatten()(layer(ids[how]))))
+    model = keras.Model({"first": first, "rest": rest},
+                        keras.layers.Concatenate()(outs) if len(outs) > 1 else outs[0])
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam(0.01)),
+                  loss="mse")
+    return model, layers
+
+
+def _batches(steps, batch=4, seed=0):
+    """`steps` batches `({"first", "rest"}, y)`, ids with repeats and invalid ones."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        first = rng.integers(-2, ROWS + 3, (batch, 2)).astype("int32")
+        rest = rng.integers(0, ROWS, (batch, 4)).astype("int32")
+        y = rng.normal(size=(batch, len(("input", "slice", "weights")))).astype("float32")
+        out.append(({"first": first, "rest": rest}, y))
+    return out
+
+
+def _joined(batches):
+    x = {k: np.concatenate([b[0][k] for b in batches]) for k in ("first", "rest")}
+    return x, np.concatenate([b[1] for b in batches])
+
+
+def _disk(tmp_path, tag, cache_rows, fetch_ahead):
+    return [OnDisk(str(tmp_path / f"{tag}{i}"), cache_rows=cache_rows, fetch_ahead=fetch_ahead)
+            for i in range(3)]
+
+
+def _ids_of(batch, how):
+    x = batch[0]
+    ids = {"input": x["first"], "slice": x["rest"][:, 1:3], "weights": x["rest"][:, :2]}[how]
+    ids = ids.reshape(-1)
+    return set(ids[(ids >= 0) & (ids < ROWS)].tolist())
+
+
+def _expected_counts(batches, how):
+    """`(hits, misses)` of a cache that holds every row: each step's distinct rows, a
+    miss the first time a row is read, a hit after (NumPy, not the cache's code)."""
+    seen, hits, misses = set(), 0, 0
+    for batch in batches:
+        step = _ids_of(batch, how)
+        misses += len(step - seen)
+        hits += len(step & seen)
+        seen |= step
+    return hits, misses
+
+
+def _start_alike(memory, memory_layers, disk, disk_layers):
+    """The tables in memory start from the rows on disk (drawn by sparseopt, not by
+    Keras' initializer), the heads from the disk model's."""
+    for m, d in zip(memory_layers, disk_layers):
+        m.embeddings.assign(d.embeddings.numpy())
+    for layer in disk.layers:
+        if layer.name.startswith("head_"):
+            memory.get_layer(layer.name).set_weights(layer.get_weights())
+
+
+def _table_values(layer):
+    if isinstance(layer.embeddings, keras.Variable):
+        return to_np(layer.embeddings)
+    return layer.embeddings.numpy()
+
+
+def test_rows_fetched_ahead_change_nothing_a_step_computes_and_count_once(tmp_path):
+    steps = 9
+    batches = _batches(steps)
+    x, y = _joined(batches)
+    runs = {name: _model(storages) for name, storages in [
+        ("memory", [None] * 3), ("ahead", _disk(tmp_path, "a", HOLDS_ALL, True)),
+        ("in_step", _disk(tmp_path, "s", HOLDS_ALL, False))]}
+    _start_alike(*runs["memory"], *runs["ahead"])
+    for model, _ in runs.values():
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    for i, how in enumerate(("input", "slice", "weights")):
+        expected = _table_values(runs["memory"][1][i])
+        for name in ("ahead", "in_step"):
+            np.testing.assert_array_equal(_table_values(runs[name][1][i]), expected,
+                                          err_msg=f"{name} {how}")
+        hits, misses = _expected_counts(batches, how)
+        for name in ("ahead", "in_step"):
+            stats = runs[name][1][i].disk_stats()
+            assert (stats["hits"], stats["misses"]) == (hits, misses), (name, how, stats)
+        ahead = runs["ahead"][1][i].disk_stats()
+        in_step = runs["in_step"][1][i].disk_stats()
+        # Without look-ahead every miss is the step's own; the accumulator's column
+        # is read with the rows (per-row state: the same files, the same rows).
+        assert (in_step["steps_fetched_ahead"], in_step["missed_at_step"]) == (0, misses)
+        if JAX and how != "weights":
+            # Every step's rows were in the cache before the step read them.
+            assert (ahead["steps_fetched_ahead"], ahead["missed_at_step"]) == (steps, 0), how
+        else:  # (TensorFlow's fit takes its batches in its compiled function; ids
+            # through a layer with weights are not foreseen)
+            assert (ahead["steps_fetched_ahead"], ahead["missed_at_step"]) == (0, misses), how
+
+
+def test_rows_evicted_before_their_step_are_read_again(tmp_path):
+    # A cache smaller than one step's rows: the next step's fetch evicts rows the step
+    # still writes, and the step's write evicts rows fetched for the next: each is read
+    # again, from the files, with its latest values. Tables as in memory.
+    steps = 8
+    batches = _batches(steps, batch=16, seed=1)
+    x, y = _joined(batches)
+    through = ("input", "slice")
+    memory, m_layers = _model([None] * 2, through)
+    disk, d_layers = _model(_disk(tmp_path, "d", 8, True)[:2], through)
+    _start_alike(memory, m_layers, disk, d_layers)
+    for model in (memory, disk):
+        model.fit(x, y[:, :2], batch_size=16, shuffle=False, verbose=0)
+    for m, d in zip(m_layers, d_layers):
+        np.testing.assert_array_equal(_table_values(d), _table_values(m), err_msg=d.name)
+        np.testing.assert_array_equal(
+            d.embeddings.numpy("accumulator"),
+            to_np(memory.optimizer.table_state(m.embeddings)["accumulator"]), err_msg=d.name)
+        if JAX:
+            stats = d.disk_stats()
+            assert stats["steps_fetched_ahead"] == steps and stats["missed_at_step"] > 0
+
+
+def _generator(batches):
+    def make():
+        yield from batches
+    return make()
+
+
+def test_data_is_consumed_as_keras_own_look_ahead_consumes_it(tmp_path):
+    # One generator shared by two epochs of three steps: the batch taken ahead at the
+    # first epoch's end is the second epoch's first (the same batches, in order, as the
+    # same table in memory, which looks nothing ahead, trains on). At the end of `fit`
+    # one batch more was taken from the generator, never trained on: what Keras' own
+    # look-ahead on accelerators (`_one_batch_ahead_iterator`) takes too.
+    batches = _batches(8, seed=2)
+    through = ("input",)
+    memory, m_layers = _model([None], through)
+    disk, d_layers = _model(_disk(tmp_path, "g", HOLDS_ALL, True)[:1], through)
+    _start_alike(memory, m_layers, disk, d_layers)
+    trained = {}
+    for name, model in (("memory", memory), ("disk", disk)):
+        source = _generator([(b[0], b[1][:, :1]) for b in batches])
+        model.fit(source, steps_per_epoch=3, epochs=2, verbose=0)
+        trained[name] = source
+    np.testing.assert_array_equal(_table_values(d_layers[0]), _table_values(m_layers[0]))
+    if JAX:  # (TensorFlow's own pipeline takes a generator's batches ahead on a thread
+        # of its own, as many as it gets to, in memory as on disk)
+        # The batch after the sixth: taken ahead, never trained on.
+        left = {name: sum(1 for _ in source) for name, source in trained.items()}
+        assert left == {"memory": 2, "disk": 1}
