@@ -20,11 +20,11 @@ much as 1.5x; interleaved, a slow spell slows all). Prints each median step
 time and every run's, the median's ratio to the in-memory one (the issue's goal: a 5%
 cache at >= 0.5x the in-memory throughput, i.e. <= 2x its step), the hit
 rate, and the bytes read from and written to the files per timed step. On
-JAX, where `fit` fetches the next step's rows while a step runs
-(`OnDisk(fetch_ahead=True)`, the default), one more table beside them: the
-5% cache with its rows fetched in the step that reads them
-(`fetch_ahead=False`), and each run's share of steps whose rows were fetched
-ahead.
+JAX, where `fit` can fetch the next step's rows while a step runs, the
+three caches do (`OnDisk(fetch_ahead=True)`), and one more table is beside
+them: the 5% cache with its rows fetched in the step that reads them
+(`fetch_ahead=False`, the default); each run's share of steps whose rows
+were fetched ahead is printed.
 
 The files are in a temporary folder: on a machine whose page cache holds
 them, "disk" bytes are copies to and from the kernel's pages, not device I/O.

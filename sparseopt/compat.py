@@ -227,7 +227,12 @@ def batches_seen_ahead(model, see):
 
 
 class _AheadCall:
-    """`model.train_function`, reading each iterator it is given one batch ahead."""
+    """`model.train_function`, reading each iterator it is given one batch ahead.
+
+    Args:
+        function: the train function Keras made.
+        model: its model (held weakly).
+    """
 
     _sparseopt_ahead = True
 
@@ -251,7 +256,12 @@ class _AheadCall:
 
 
 def _see_ahead(model_ref, batch):
-    """The latest `see` given for the model (`batches_seen_ahead`), on `batch`."""
+    """The latest `see` given for the model (`batches_seen_ahead`), on `batch`.
+
+    Args:
+        model_ref: a weak reference to the model.
+        batch: the batch taken.
+    """
     model = model_ref()
     see = None if model is None else model.__dict__.get("_sparseopt_see_ahead")
     if see is not None:
@@ -259,7 +269,12 @@ def _see_ahead(model_ref, batch):
 
 
 class _AheadReader:
-    """An iterator giving `iterator`'s batches, each taken one batch early."""
+    """An iterator giving `iterator`'s batches, each taken one batch early.
+
+    Args:
+        iterator: the iterator Keras gave its train function.
+        see: called on each batch as it is taken.
+    """
 
     def __init__(self, iterator, see):
         self._iterator, self._see = iterator, see
@@ -287,7 +302,14 @@ class _AheadReader:
         except StopIteration:
             self._ended = True
             return None
-        self._see(batch)
+        try:
+            self._see(batch)
+        except Exception as error:  # noqa: BLE001 (a batch taken is never lost for it)
+            import logging
+
+            logging.getLogger("sparseopt").warning(
+                "A batch could not be shown ahead to the tables on disk (%s); their rows "
+                "are fetched in the step.", error)
         return batch
 
 

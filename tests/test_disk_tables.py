@@ -239,6 +239,32 @@ def parts_of_16_rows(monkeypatch):
 
 @at_default_flags
 @pytest.mark.usefixtures("rules_own_path")
+def test_lookahead_on_disk_with_gradient_accumulation_as_in_memory(tmp_path):
+    # An accumulated update changes the rows of all its micro-steps: the list on disk
+    # holds the period times that many (it was sized by one micro-step's ids).
+    cases = {"RowwiseAdagrad:lookahead": SUPPORTED["RowwiseAdagrad:lookahead"]}
+    runs = []
+    for storage_of in (lambda i, s: OnDisk(str(tmp_path / f"t{i}"), cache_rows=8, **s),
+                       lambda i, s: sparseopt.TableStorage(**s)):
+        model, layers, heads = _model(cases, storage_of)
+        model.compile(optimizer=sparseopt.DispatchOptimizer(
+            keras.optimizers.Adam(0.01), gradient_accumulation_steps=2), loss="mse")
+        runs.append((model, layers, heads))
+    (disk, disk_layers, disk_heads), (memory, memory_layers, memory_heads) = runs
+    memory_layers[0].embeddings.assign(disk_layers[0].embeddings.numpy().astype(np.float32))
+    _set_heads(memory_heads, _heads(disk_heads))
+    x, y = _data(1, rows=96)  # (12 micro-steps: 6 updates, a sync after the fifth)
+    for model in (disk, memory):
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    np.testing.assert_array_equal(disk_layers[0].embeddings.numpy().astype(np.float64),
+                                  to_np(memory_layers[0].embeddings))
+    np.testing.assert_array_equal(disk_layers[0].embeddings.numpy("lookahead_offset"),
+                                  to_np(memory.optimizer.table_state(
+                                      memory_layers[0].embeddings)["lookahead_offset"]))
+
+
+@at_default_flags
+@pytest.mark.usefixtures("rules_own_path")
 def test_tables_on_disk_train_every_updater_as_in_memory_bit_for_bit(tmp_path,
                                                                       parts_of_16_rows):
     # Disk first: its rows (drawn per row from the initializer) and head start the
@@ -377,7 +403,7 @@ def test_tables_on_disk_equal_memory_at_xlas_default_flags(tmp_path):
                            "tests/test_disk_vocabulary.py", "-k", "as_in_memory",
                            "--basetemp", str(tmp_path / "child")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "9 passed" in proc.stdout, proc.stdout[-3000:]
+    assert proc.returncode == 0 and "10 passed" in proc.stdout, proc.stdout[-3000:]
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))

@@ -56,6 +56,9 @@ class Upcoming:
         self.num_rows = num_rows
         self._batches = collections.deque()
         self._lock = threading.Lock()
+        # Whether more than `KEPT` batches were foreseen that no read matched (the oldest
+        # let go): the batches shown are not what the table reads.
+        self.overflowed = False
 
     def add(self, ids):
         """Foresees a batch's ids; its `Foreseen` if it is to be fetched now (nothing is
@@ -69,16 +72,20 @@ class Upcoming:
             self._batches.append(entry)
             while len(self._batches) > KEPT:
                 self._batches.popleft()
+                self.overflowed = True
             if len(self._batches) == 1:
                 entry.started = True
                 return entry
         return None
 
     def reached(self, ids):
-        """A read of `ids` (`valid_or_minus_one`'s) is here: its `Foreseen` (or None), and
-        the next one to fetch once the read is done (or None).
+        """A read of `ids` is here: its `Foreseen` (or None), and the next one to fetch once
+        the read is done (or None).
 
         The batches foreseen before the one read are let go (not read after all).
+
+        Args:
+            ids: the read's ids, as `valid_or_minus_one` gives them.
         """
         with self._lock:
             found = next((k for k, entry in enumerate(self._batches)
@@ -114,7 +121,12 @@ class Foreseen:
 
 
 def valid_or_minus_one(ids, num_rows):
-    """Int64 `[N]` ids, flat, those outside `[0, num_rows)` made -1 (as a lookup reads them)."""
+    """Int64 `[N]` ids, flat, those outside `[0, num_rows)` made -1 (as a lookup reads them).
+
+    Args:
+        ids: int ids, any shape.
+        num_rows: the table's rows.
+    """
     ids = np.asarray(ids).reshape(-1).astype(np.int64)
     return np.where((ids >= 0) & (ids < num_rows), ids, -1)
 
@@ -136,7 +148,8 @@ class RowsOf:
 
     def __init__(self, model, layer):
         given = layer.input  # (raises for a layer called more than once)
-        inputs = keras.tree.flatten(model.input)
+        self._struct = model.input
+        inputs = keras.tree.flatten(self._struct)
         self._at = next((k for k, t in enumerate(inputs) if t is given), None)
         self._count = len(inputs)
         path = keras.Model(model.input, given)
@@ -147,20 +160,35 @@ class RowsOf:
         self._path = jax.jit(lambda x: path(x, training=False))
 
     def __call__(self, x):
-        flat = keras.tree.flatten(x)
-        if self._at is not None and len(flat) == self._count:
-            return np.asarray(flat[self._at])
-        return np.asarray(self._path(x))
+        """The ids of batch `x` (the model's inputs, as `fit` gives them), as NumPy."""
+        if self._at is not None and self._same_structure(x):
+            return np.asarray(keras.tree.flatten(x)[self._at])
+        return np.asarray(self._path(x))  # (Keras maps the batch to the inputs, by name too)
+
+    def _same_structure(self, x):
+        """Whether `x` flattens as the model's inputs do (a dict given to a model of
+        listed inputs is mapped by name, not by position: not the same)."""
+        if isinstance(self._struct, dict) or isinstance(x, dict):
+            return (isinstance(self._struct, dict) and isinstance(x, dict)
+                    and sorted(self._struct) == sorted(x))
+        return len(keras.tree.flatten(x)) == self._count
 
 
 def rows_of(model, layer):
     """A `RowsOf` for `layer` in `model`, or None where its ids cannot be foreseen (a
-    subclassed model, a layer called more than once, ids through layers with weights)."""
+    subclassed model, a layer called more than once, ids through layers with weights).
+
+    Args:
+        model: the Keras model being trained.
+        layer: the table's layer.
+    """
     try:
         return RowsOf(model, layer)
     except Exception as error:  # noqa: BLE001 (no look-ahead; the step reads as before)
-        logging.getLogger("sparseopt.disk").info(
-            "Layer '%s': its table's rows are not fetched ahead (%s).", layer.name, error)
+        logging.getLogger("sparseopt.disk").warning(
+            "Layer '%s': its table's rows are fetched in the step that reads them, not ahead "
+            "(fetch_ahead=True): its ids cannot be worked out from a batch (%s).",
+            layer.name, error)
         return None
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from keras import ops
 
 from sparseopt import backend
-from sparseopt.disk import host_ops, int8_columns, snapshots
+from sparseopt.disk import host_ops, int8_columns, look_ahead, snapshots
 from sparseopt.disk.background import Background
 from sparseopt.disk.initial_rows import InitialRows
 from sparseopt.disk.look_ahead import Upcoming, valid_or_minus_one
@@ -93,6 +93,7 @@ class DiskTable:
         # The batches `fit` showed ahead, whose rows are fetched beside the step before.
         self._upcoming = Upcoming(self.shape[0])
         self._following = None  # (the next to fetch, once the step's rows are written)
+        self._unforeseen = False  # (the batches shown were not what it read: no more)
         self._open()
 
     def _open(self):
@@ -223,11 +224,22 @@ class DiskTable:
         Args:
             ids: int ids (any shape, repeats and invalid ids allowed).
         """
-        if not self.settings.fetch_ahead or self._closed or self._failed is not None:
+        if (not self.settings.fetch_ahead or self._closed or self._failed is not None
+                or self._unforeseen):
             return
         entry = self._upcoming.add(ids)
         if entry is not None:
             self._fetch(entry)
+        if self._upcoming.overflowed:
+            # The batches shown are not what its lookups read (its ids are changed on
+            # the way, e.g. inside the layer): fetching them would only evict rows.
+            self._unforeseen = True
+            self._upcoming.clear()
+            logging.getLogger("sparseopt.disk").warning(
+                "%s: none of the last %d batches `fit` showed it ahead was what its lookups "
+                "read; its rows are fetched in the step that reads them from now on. Set "
+                "`fetch_ahead=False` on its OnDisk to say so.", self._owner,
+                look_ahead.KEPT + 1)
 
     def _fetch(self, entry):
         """Brings a `Foreseen` batch's rows into the cache, on the thread beside the step."""
@@ -236,8 +248,9 @@ class DiskTable:
         def fetch():
             entry.distinct = host_ops.distinct(entry.ids, num_rows)
             if cache is self.cache:  # (a load or whole-table work replaced it: let go)
-                cache.read_distinct(entry.distinct.ids)
-                cache.counts[AHEAD] += 1
+                with cache.lock:
+                    cache.read_distinct(entry.distinct.ids)
+                    cache.counts[AHEAD] += 1
                 entry.counted = True
 
         self._background.submit(fetch)
@@ -283,16 +296,22 @@ class DiskTable:
         return tuple(out)
 
     def _step_read(self, ids, fetched):
-        """A step's read of distinct `ids` through the cache (nothing else reads it
-        meanwhile: the thread beside the step has settled). Rows `fetched` ahead were
-        counted then: only those missed again (evicted since) count now."""
+        """A step's read of distinct `ids` through the cache, counted as the step's: rows
+        `fetched` ahead were counted then, so only those missed again (evicted since)
+        count now (under the cache's lock: a fetch counts before or after, apart).
+
+        Args:
+            ids: int64 distinct rows of the table.
+            fetched: whether the fetch ahead of this step counted them.
+        """
         counts = self.cache.counts
-        before = counts[[HITS, MISSES]].copy()
-        found = self.cache.read_distinct(ids)
-        hits, misses = counts[[HITS, MISSES]] - before
-        counts[MISSED_AT_STEP] += misses
-        if fetched:
-            counts[HITS] -= hits
+        with self.cache.lock:  # (a fetch submitted meanwhile counts apart, after)
+            before = counts[[HITS, MISSES]].copy()
+            found = self.cache.read_distinct(ids)
+            hits, misses = counts[[HITS, MISSES]] - before
+            counts[MISSED_AT_STEP] += misses
+            if fetched:
+                counts[HITS] -= hits
         return found
 
     def _recent(self, wanted):
@@ -425,6 +444,7 @@ class DiskTable:
             self._new_cache()
             self.cache.counts[:] = counts
             self._upcoming.clear()
+            self._following = None
 
     def flush(self):
         """Writes the cache's dirty rows to the files, and the files to disk."""
@@ -516,6 +536,7 @@ class DiskTable:
                 self.files.reopen()
                 self._new_cache()
                 self._upcoming.clear()
+                self._following = None
 
     def snapshots(self):
         """The names of the table's complete snapshots, oldest first."""

@@ -99,8 +99,10 @@ class Routes:
         listing = [t for t in self._trainers.values() if t.lists_window_rows]
         if listing:  # (Lookahead's list on disk: `engine.lookahead_list`)
             counts = self._ids_per_step(model, listing, "Lookahead on a table on disk")
+            # (An accumulated update's rows are those of all its micro-steps.)
+            updates_of = self.gradient_accumulation_steps or 1
             for trainer in listing:
-                trainer.ids_per_step = counts[id(trainer)]
+                trainer.ids_per_step = counts[id(trainer)] * updates_of
         if self._installed:
             scaled = self.loss_scale_factor is not None or self.loss_scaling_wrapper is not None
             checks.install_options(sorted(v.path for v in self._installed.values()), scaled,
