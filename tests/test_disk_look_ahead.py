@@ -250,3 +250,36 @@ def test_batches_a_table_never_reads_stop_being_fetched_with_a_warning(tmp_path,
     assert stats["steps_fetched_ahead"] == 1
     assert stats["missed_at_step"] == stats["misses"] - 1
     np.testing.assert_array_equal(_table_values(layers[0]), _table_values(m_layers[0]))
+
+
+@pytest.mark.skipif(not JAX, reason="TensorFlow's fit fetches in the step")
+def test_a_failed_fetch_ahead_is_logged_and_the_step_reads_its_rows(tmp_path, monkeypatch,
+                                                                    caplog):
+    # A fetch only brings rows into the cache: where it fails (here: every fetch, made so
+    # on the table's thread), the table is whole and each step reads its rows itself.
+    import threading
+
+    from sparseopt.disk import native_cache, row_cache
+
+    for cls in (row_cache.RowCache, native_cache.NativeRowCache):
+        read = cls.read_distinct
+
+        def failing(self, ids, read=read):
+            if threading.current_thread().name.startswith("sparseopt disk table"):
+                raise OSError("no fetch here")
+            return read(self, ids)
+
+        monkeypatch.setattr(cls, "read_distinct", failing)
+    model, layers = _model(_disk(tmp_path, "f", HOLDS_ALL, True)[:1], ("input",))
+    memory, m_layers = _model([None], ("input",))
+    _start_alike(memory, m_layers, model, layers)
+    batches = _batches(5, seed=6)
+    x, y = _joined(batches)
+    with caplog.at_level("WARNING", logger="sparseopt.disk"):
+        for m in (model, memory):
+            m.fit(x, y[:, :1], batch_size=4, shuffle=False, verbose=0)
+    assert "fetching the next step's rows ahead failed (no fetch here)" in caplog.text
+    stats = layers[0].disk_stats()
+    hits, misses = _expected_counts(batches, "input")
+    assert (stats["steps_fetched_ahead"], stats["hits"], stats["misses"]) == (0, hits, misses)
+    np.testing.assert_array_equal(_table_values(layers[0]), _table_values(m_layers[0]))

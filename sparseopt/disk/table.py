@@ -247,11 +247,21 @@ class DiskTable:
 
         def fetch():
             entry.distinct = host_ops.distinct(entry.ids, num_rows)
-            if cache is self.cache:  # (a load or whole-table work replaced it: let go)
+            if cache is not self.cache:  # (a load or whole-table work replaced it: let go)
+                return
+            try:
                 with cache.lock:
                     cache.read_distinct(entry.distinct.ids)
                     cache.counts[AHEAD] += 1
-                entry.counted = True
+            except Exception as error:  # noqa: BLE001 (the step reads its rows itself)
+                # A fetch only brings rows into the cache (rows it evicts stay dirty until
+                # written): the table is whole, so the step reads them, and meets a lasting
+                # cause (a file gone, a full disk) itself, named by its own error.
+                logging.getLogger("sparseopt.disk").warning(
+                    "%s: fetching the next step's rows ahead failed (%s); the step reads "
+                    "them itself.", self._owner, error)
+                return
+            entry.counted = True
 
         self._background.submit(fetch)
 
