@@ -582,13 +582,17 @@ def test_weight_decay_exclusion_reaches_a_table_on_disk(tmp_path):
 
 
 def test_on_disk_settings_serialize_with_the_layer(tmp_path):
-    storage = OnDisk(str(tmp_path / "t"), cache_rows=64, policy="lfu",
+    storage = OnDisk(str(tmp_path / "t"), cache_rows=64, policy="lfu", fetch_ahead=True,
                      state_dtype="bfloat16")
     layer = sparseopt.layers.SparseEmbedding(10, 2, sparseopt.updaters.SGD(0.1),
                                              storage=storage)
     again = sparseopt.layers.SparseEmbedding.from_config(layer.get_config())
     assert again.storage == storage and type(again.storage) is OnDisk
     assert dataclasses.asdict(again.storage)["policy"] == "lfu"
+    assert again.storage.fetch_ahead is True
+    assert OnDisk(str(tmp_path / "u")).fetch_ahead is False  # (off by default)
+    with pytest.raises(ValueError, match="OnDisk: `fetch_ahead` must be True or False"):
+        OnDisk(str(tmp_path / "v"), fetch_ahead="yes")
 
 
 CONTROLS = {

@@ -11,10 +11,10 @@ import weakref
 import keras
 
 from sparseopt import backend, compat
-from sparseopt.engine import accumulation
-from sparseopt.engine.group import group_trainers
 from sparseopt.disk import look_ahead
 from sparseopt.disk.table import DiskTable
+from sparseopt.engine import accumulation
+from sparseopt.engine.group import group_trainers
 from sparseopt.engine.trainer import TableTrainer
 from sparseopt.ops.row_sources import LookupRows, SlicedRows
 from sparseopt.optimizer import checks, routing
