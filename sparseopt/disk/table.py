@@ -268,7 +268,9 @@ class DiskTable:
     def _read_host(self, ids, names, lookup=False):
         self._check_open()
         entry = following = None
-        if lookup:  # (the batch `fit` showed ahead, if it is this one)
+        # (The batch `fit` showed ahead, if it is this one; no pass over the ids where
+        # nothing is shown ahead.)
+        if lookup and self.settings.fetch_ahead and not self._unforeseen:
             entry, following = self._upcoming.reached(valid_or_minus_one(ids, self.shape[0]))
         if entry is not None and entry.started:
             self._settle()  # (its fetch, and the work before it, done)
