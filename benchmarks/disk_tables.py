@@ -19,7 +19,10 @@ sequence `--repeats` times (this machine's speed drifts between runs by as
 much as 1.5x; interleaved, a slow spell slows all). Prints each median step
 time and every run's, the median's ratio to the in-memory one (the issue's goal: a 5%
 cache at >= 0.5x the in-memory throughput, i.e. <= 2x its step), the hit
-rate, and the bytes read from and written to the files per timed step. On
+rate, the bytes read from and written to the files per timed step, and
+where the table's host work went per timed step (`disk_stats()`): in the
+step's host calls, which the step waits for (of which, waiting for the
+thread beside the step), and on that thread, overlapping the steps. On
 JAX, where `fit` can fetch the next step's rows while a step runs, the
 three caches do (`OnDisk(fetch_ahead=True)`), and one more table is beside
 them: the 5% cache with its rows fetched in the step that reads them
@@ -104,7 +107,10 @@ def run(args, storage, warm, timed):
                                   - before["steps_fetched_ahead"]) / args.steps,
                    kb_read=(after["bytes_read"] - before["bytes_read"]) / args.steps / 1024,
                    kb_written=(after["bytes_written"] - before["bytes_written"])
-                   / args.steps / 1024)
+                   / args.steps / 1024,
+                   # Where the table's host work went, per timed step (`disk_stats`).
+                   **{f"{k}_per_step": (after[k] - before[k]) / args.steps
+                      for k in ("host_ms", "waited_ms", "beside_ms")})
     return out
 
 
@@ -135,8 +141,9 @@ def main():
           "row-wise Adagrad; "
           f"{args.batch * 8:,} Zipf ids per step ({distinct:,.0f} distinct)")
     print("| table | step ms (median) | step / in memory | each run's step ms | hit rate "
-          "| disk KB read/step | disk KB written/step |")
-    print("|---|---|---|---|---|---|---|")
+          "| disk KB read/step | disk KB written/step | host calls ms/step (waiting) "
+          "| beside ms/step |")
+    print("|---|---|---|---|---|---|---|---|---|")
     tables = [("memory", None, None)] + [(f"disk {f:.0%}", f, True) for f in (0.01, 0.05, 0.20)]
     if backend == "jax" and not args.vocabulary:  # (the tables fetched ahead; see above)
         tables.append(("disk 5% in step", 0.05, False))
@@ -162,8 +169,10 @@ def main():
             label += ", rows fetched in the step"
         elif ahead and backend == "jax" and not args.vocabulary:
             label += f", {row['fetched_ahead']:.0%} of steps' rows fetched ahead"
-        stats = ("| | |" if fraction is None else
-                 f"{row['hit_rate']:.3f} | {row['kb_read']:.0f} | {row['kb_written']:.0f} |")
+        stats = ("| | | | |" if fraction is None else
+                 f"{row['hit_rate']:.3f} | {row['kb_read']:.0f} | {row['kb_written']:.0f} | "
+                 f"{row['host_ms_per_step']:.1f} ({row['waited_ms_per_step']:.1f}) | "
+                 f"{row['beside_ms_per_step']:.1f} |")
         print(f"| {label} | {row['step_ms']:.1f} | {ratio:.2f}x | "
               f"{', '.join(f'{t:.1f}' for t in steps)} | {stats}", flush=True)
     suffix = f"_{args.dtype}" if args.dtype not in (None, "float32") else ""

@@ -188,7 +188,11 @@ class TableHealth(keras.callbacks.Callback):
       `disk_hit_rate` (the share of row lookups their caches held),
       `disk_kb_read_per_step` and `disk_kb_written_per_step` (their files'
       bytes, rows and per-row state); the epoch's lookups include its
-      validation's.
+      validation's. And where their host work went, in milliseconds per
+      training step: `disk_host_ms_per_step` (in the steps' host calls, which
+      the step waits for), `disk_waited_ms_per_step` (of those, waiting for the
+      tables' threads beside the step), `disk_beside_ms_per_step` (on those
+      threads, overlapping the steps).
 
     With `warn=True` it also warns, naming each table whose count grew.
 
@@ -220,7 +224,8 @@ class TableHealth(keras.callbacks.Callback):
             return None
         stats = [table.health() for table in tables]
         return {k: sum(s[k] for s in stats)
-                for k in ("hits", "misses", "bytes_read", "bytes_written")}
+                for k in ("hits", "misses", "bytes_read", "bytes_written", "host_ms",
+                          "waited_ms", "beside_ms")}
 
     def on_train_batch_end(self, batch, logs=None):
         self._steps = max(self._steps, batch + 1)  # batch: last index run so far
@@ -249,6 +254,8 @@ class TableHealth(keras.callbacks.Callback):
             steps = max(self._steps, 1)
             logs["disk_kb_read_per_step"] = new["bytes_read"] / steps / 1024
             logs["disk_kb_written_per_step"] = new["bytes_written"] / steps / 1024
+            for name in ("host", "waited", "beside"):
+                logs[f"disk_{name}_ms_per_step"] = new[f"{name}_ms"] / steps
         scaler = self.model.optimizer
         if isinstance(scaler, keras.optimizers.LossScaleOptimizer):
             applied = int(ops.convert_to_numpy(optimizer.iterations)) - self._applied_before

@@ -258,6 +258,10 @@ def test_disk_tables_benchmark_runs_fit_on_disk_beside_memory(tmp_path, layer):
     assert ahead == ([0.0] * 3 if layer else [1.0] * 3 + [0.0])
     rates = [r["hit_rate"] for r in results[1:]]
     assert 0 < rates[0] < rates[2] <= 1
+    # Where each table's host work went: in the step's calls (some of it waiting), beside.
+    assert all(r["host_ms_per_step"] >= r["waited_ms_per_step"] >= 0
+               and r["host_ms_per_step"] > 0 and r["beside_ms_per_step"] > 0
+               for r in results[1:])
     assert (tmp_path / "disk_tables.png").exists() and "step / in memory" in stdout
 
 

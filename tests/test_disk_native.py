@@ -56,7 +56,8 @@ def test_the_host_librarys_calls_are_checked_before_they_reach_c():
 
     lib = host_ops.library()
     assert set(native.HOST_FUNCTIONS) == {
-        "so_unique", "so_find", "so_number", "so_gather", "so_cache_read", "so_cache_write",
+        "so_unique", "so_find", "so_number", "so_gather", "so_unreserved", "so_cache_read",
+        "so_cache_write",
         "so_cache_insert", "so_stage_flush", "so_cache_flush"}
     with pytest.raises(TypeError):
         lib.so_stage_flush()
@@ -104,6 +105,29 @@ def test_gather_is_numpys(index, dtype):
     with native.disabled():
         numpy_ = host_ops.gather(source, index)
     np.testing.assert_array_equal(mine.view(np.uint8), numpy_.view(np.uint8))
+
+
+@independent
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(0, 199), max_size=60),
+       row_bytes=st.sampled_from([0, 4, 12, 64, 100, 300]),
+       block_bytes=st.sampled_from([64, 256]),
+       reserved=st.lists(st.booleans(), min_size=300, max_size=300))
+def test_the_blocks_left_to_reserve_are_numpys_and_the_definitions(ids, row_bytes,
+                                                                    block_bytes, reserved):
+    """Rows of any width against blocks of any size (a row on one block, on two, a row
+    wider than a block), and the written-rows bitmap (`row_bytes` 0: a bit per row)."""
+    ids = np.array(ids, np.int64)
+    reserved = np.array(reserved * (1 + 200 * max(row_bytes, 1) // block_bytes // 300))
+    mine = host_ops.unreserved(ids, row_bytes, block_bytes, reserved)
+    with native.disabled():
+        numpy_ = host_ops.unreserved(ids, row_bytes, block_bytes, reserved)
+    np.testing.assert_array_equal(mine, numpy_)
+    # The definition, block by block: every byte of each row, the bitmap's byte.
+    spans = [range(i >> 3, (i >> 3) + 1) if row_bytes == 0
+             else range(i * row_bytes, (i + 1) * row_bytes) for i in ids.tolist()]
+    blocks = {b // block_bytes for span in spans for b in span}
+    assert mine.tolist() == sorted(b for b in blocks if not reserved[b])
 
 
 @settings(max_examples=40, deadline=None)

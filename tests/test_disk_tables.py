@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import keras
 import numpy as np
@@ -491,16 +492,27 @@ def test_table_health_reports_the_caches_per_epoch(tmp_path):
                                "Adam": (sparseopt.updaters.Adam, {}, "float32", {})},
                               lambda i, s: OnDisk(str(tmp_path / f"t{i}"), cache_rows=8))
     x, y = _data(2)
-    seen = [[{"hits": 0, "misses": 0, "bytes_read": 0, "bytes_written": 0}] * 2]
+    times = ("host_ms", "waited_ms", "beside_ms")
+    seen = [[layer.disk_stats() for layer in layers]]
+    assert all(stats[k] == 0 for stats in seen[0] for k in times)  # (nothing ran yet)
     record = keras.callbacks.LambdaCallback(
         on_epoch_end=lambda epoch, logs: seen.append([layer.disk_stats() for layer in layers]))
+    start = time.perf_counter()
     history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
                         callbacks=[sparseopt.callbacks.TableHealth(warn=False), record]).history
+    wall_ms = 1e3 * (time.perf_counter() - start)
     steps = x.shape[0] // 8
     for epoch in range(3):
         new = {k: sum(after[k] - before[k] for before, after in zip(seen[epoch],
                                                                     seen[epoch + 1]))
-               for k in ("hits", "misses", "bytes_read", "bytes_written")}
+               for k in ("hits", "misses", "bytes_read", "bytes_written", *times)}
+        for name in ("host", "waited", "beside"):
+            assert history[f"disk_{name}_ms_per_step"][epoch] == pytest.approx(
+                new[f"{name}_ms"] / steps)
+        # Each epoch's steps called the host and ran work beside them; a wait is part of
+        # a host call.
+        assert new["host_ms"] > 0 and new["beside_ms"] > 0
+        assert 0 <= new["waited_ms"] <= new["host_ms"]
         assert history["disk_hit_rate"][epoch] == pytest.approx(
             new["hits"] / (new["hits"] + new["misses"]))
         assert history["disk_kb_read_per_step"][epoch] == pytest.approx(
@@ -512,6 +524,8 @@ def test_table_health_reports_the_caches_per_epoch(tmp_path):
     assert min(history["disk_kb_read_per_step"][1:]) > 0
     assert min(history["disk_kb_written_per_step"]) > 0
     stats = [layer.disk_stats() for layer in layers]
+    # The steps' host calls ran inside fit, one after another (each table's own).
+    assert sum(s["host_ms"] for s in stats) < wall_ms
     assert stats[0]["bytes_written"] == 12 * stats[0]["rows_written"]
     assert stats[1]["bytes_read"] == 36 * stats[1]["rows_read"]
 

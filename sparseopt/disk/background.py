@@ -15,6 +15,7 @@ evicted before it still reach the files.
 
 import collections
 import threading
+import time
 import traceback
 
 
@@ -33,6 +34,9 @@ class Background:
         self._ready = threading.Condition()
         self._thread = None
         self._closed = False
+        # Seconds its jobs took (wall clock, on its thread): what a table reports as the
+        # work beside its steps.
+        self.busy = 0.0
 
     def on_its_thread(self):
         """Whether the caller is this object's thread (running one of its jobs)."""
@@ -65,6 +69,7 @@ class Background:
                 job = self._jobs.popleft()
             if job is None:  # (`close`)
                 return
+            start = time.perf_counter()
             try:
                 job()
             except BaseException as error:  # noqa: BLE001 (kept for `wait`)
@@ -77,6 +82,7 @@ class Background:
                 # files, whose lock a table opened again on the folder needs.
                 job = None
                 with self._ready:
+                    self.busy += time.perf_counter() - start
                     self._pending -= 1
                     self._ready.notify_all()
 

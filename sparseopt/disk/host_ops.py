@@ -134,6 +134,47 @@ def gather(source, index):
     return out
 
 
+def unreserved(ids, row_bytes, block_bytes, reserved):
+    """The blocks of `block_bytes` of a file that rows `ids` lie on and that `reserved` does
+    not hold: int64, sorted, each once (`sparseopt.disk.row_files.RowFiles.reserve`).
+
+    Args:
+        ids: int64 rows `[n]`.
+        row_bytes: the bytes of a row in the file (rows one after another), or 0 for
+            the written-rows bitmap (a bit per row: row `i` on byte `i >> 3`).
+        block_bytes: the bytes of a block.
+        reserved: bool `[blocks]`, the file's blocks reserved so far.
+    """
+    ids = np.ascontiguousarray(ids, np.int64)
+    lib = library()
+    if lib is None:
+        return _unreserved_numpy(ids, row_bytes, block_bytes, reserved)
+    per_row = (row_bytes - 1) // block_bytes + 2 if row_bytes else 1  # (the most blocks)
+    out = np.empty(ids.size * per_row, np.int64)
+    count = lib.so_unreserved(ptr(ids), ctypes.c_int64(ids.size), ctypes.c_int64(row_bytes),
+                              ctypes.c_int64(block_bytes),
+                              ctypes.c_void_p(reserved.ctypes.data), ptr(out))
+    return out[:count]
+
+
+def _unreserved_numpy(ids, row_bytes, block_bytes, reserved):
+    if row_bytes == 0:  # the bitmap's byte of each row
+        first = last = ids >> 3
+    else:
+        first, last = ids * row_bytes, ids * row_bytes + (row_bytes - 1)
+    start, stop = first // block_bytes, last // block_bytes
+    # Most rows' blocks are reserved already (a step's rows are mostly rows written
+    # before): only the others go on. A row lies on one or two blocks, unless it is
+    # wider than a block: blocks inside it only it can have had reserved, so such
+    # rows always go on.
+    need = ~(reserved[start] & reserved[stop]) | (stop - start > 1)
+    start, stop = start[need], stop[need]
+    spans = stop - start + 1  # (a row may lie on several blocks)
+    blocks = (np.repeat(start, spans)
+              + np.arange(int(spans.sum())) - np.repeat(np.cumsum(spans) - spans, spans))
+    return np.unique(blocks[~reserved[blocks]])
+
+
 def number(ids, num_rows, lib):
     """`(number, ids_of, positions, count)` of int32 `ids` `[N]`: the valid ids numbered in
     the order of their last occurrence (`sparseopt.engine.stages._Numbering`), by the host

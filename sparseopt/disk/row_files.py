@@ -222,25 +222,9 @@ class RowFiles:
         if ids.size == 0:
             return
         for file, array in self._files():
-            if file == WRITTEN:  # the bitmap's byte of each row
-                first = last = ids >> 3
-            else:
-                size = host_ops.row_bytes(array)
-                first, last = ids * size, ids * size + (size - 1)
-            start, stop = first // RESERVE_BYTES, last // RESERVE_BYTES
             reserved = self._reserved[file]
-            # Most rows' blocks are reserved already (a step's rows are mostly rows
-            # written before): only the others go on. A row lies on one or two blocks,
-            # unless it is wider than a block: blocks inside it only it can have had
-            # reserved, so such rows always go on.
-            need = ~(reserved[start] & reserved[stop]) | (stop - start > 1)
-            if not need.any():
-                continue
-            start, stop = start[need], stop[need]
-            spans = stop - start + 1  # (a row may lie on several blocks)
-            blocks = (np.repeat(start, spans)
-                      + np.arange(int(spans.sum())) - np.repeat(np.cumsum(spans) - spans, spans))
-            blocks = np.unique(blocks[~reserved[blocks]])
+            row_bytes = 0 if file == WRITTEN else host_ops.row_bytes(array)  # (0: bitmap)
+            blocks = host_ops.unreserved(ids, row_bytes, RESERVE_BYTES, reserved)
             if blocks.size:
                 self._fallocate(file, blocks, array.nbytes)
                 reserved[blocks] = True

@@ -20,8 +20,10 @@ Values cross the host boundary as float32 (int32 for integer state), which
 holds every 16-bit value exactly: the stored dtype is the files'.
 """
 
+import functools
 import logging
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -94,6 +96,9 @@ class DiskTable:
         self._upcoming = Upcoming(self.shape[0])
         self._following = None  # (the next to fetch, once the step's rows are written)
         self._unforeseen = False  # (the batches shown were not what it read: no more)
+        # Seconds the step's host calls took, and of those, waiting for the thread
+        # beside the step (`health`: where a step on disk spends its time).
+        self._in_step = self._waited = 0.0
         self._open()
 
     def _open(self):
@@ -150,7 +155,19 @@ class DiskTable:
                 return self._look_host(np.asarray(ids), names)
             return self._read_host(np.asarray(ids), names, lookup)
 
-        return backend.host_read(read, [ops.cast(ids, "int32")], outputs)
+        return backend.host_read(self._timed(read), [ops.cast(ids, "int32")], outputs)
+
+    def _timed(self, call):
+        """`call`, its time added to the step's host time (`health`)."""
+        @functools.wraps(call)
+        def timed(*args):
+            start = time.perf_counter()
+            try:
+                return call(*args)
+            finally:
+                self._in_step += time.perf_counter() - start
+
+        return timed
 
     def read_rows(self, ids, lookup=True):
         """The rows at `ids` as a lookup reads them (traced): float32 (an int8 table's
@@ -186,7 +203,7 @@ class DiskTable:
         def number(ids):
             return host_ops.number(np.asarray(ids), self.shape[0], lib)
 
-        return backend.host_read(number, [ops.cast(ids, "int32")], outputs)
+        return backend.host_read(self._timed(number), [ops.cast(ids, "int32")], outputs)
 
     def write(self, ids, values, count=None, keep=None):
         """Writes `values` (`{column: [M, *tail]}`, as stored) of distinct rows `ids` (`[M]`).
@@ -212,7 +229,7 @@ class DiskTable:
             if following is not None:
                 self._fetch(following)  # (the next step's rows, while this step ends)
 
-        backend.host_write(write, args)
+        backend.host_write(self._timed(write), args)
 
     # -- on the host -------------------------------------------------------
 
@@ -273,12 +290,12 @@ class DiskTable:
         if lookup and self.settings.fetch_ahead and not self._unforeseen:
             entry, following = self._upcoming.reached(valid_or_minus_one(ids, self.shape[0]))
         if entry is not None and entry.started:
-            self._settle()  # (its fetch, and the work before it, done)
+            self._settle(in_step=True)  # (its fetch, and the work before it, done)
         fetched = entry is not None and entry.counted
         batch = entry.distinct if fetched else host_ops.distinct(ids, self.shape[0])
         found = self._recent(batch.ids)
         if found is None:
-            self._settle()  # (the last write and evictions, applied)
+            self._settle(in_step=True)  # (the last write and evictions, applied)
             found = self._step_read(batch.ids, fetched)
             with self._recent_lock:
                 self._last_read = (batch, found)
@@ -293,7 +310,7 @@ class DiskTable:
     def _look_host(self, ids, names):
         """`_read_host` changing nothing in the cache (no row cached, evicted or counted)."""
         self._check_open()
-        self._settle()
+        self._settle(in_step=True)
         batch = host_ops.distinct(ids, self.shape[0])
         return self._gathered(self.cache.peek(batch.ids), batch, ids, names)
 
@@ -343,25 +360,28 @@ class DiskTable:
         self._check_open()
         with self._recent_lock:
             self._last_read = None  # (its values are no longer current)
-        ids = np.where((np.arange(ids.size) < count) & keep, ids.astype(np.int64), -1)
-        batch = host_ops.distinct(ids, self.shape[0])  # (repeats hold equal values)
-        if batch.ids.size == 0:
-            return
-        kept = {n: host_ops.gather(np.ascontiguousarray(v), batch.first)
-                for n, v in values.items()}
-        missing = [n for n in self.columns if n not in kept]
-        if missing:  # columns left out keep their values (a look, not a lookup: uncounted)
-            self._settle()
-            old = self.cache.peek(batch.ids)
-            kept.update({n: old[n] for n in missing})
-        kept = {n: kept[n].astype(self.files.maps[n].dtype, copy=False) for n in self.columns}
-        cache = self.cache
+        # Copies of the entries before `count` (the step goes on, and its buffers may be
+        # reused, while the thread beside it writes them); the rest of the work is there.
+        count = min(max(count, 0), ids.size)
+        ids, keep = np.array(ids[:count], np.int64), np.array(keep[:count], bool)
+        # (np.asarray first: JAX hands its host calls device arrays, whose slicing would
+        # be a computation of its own.)
+        values = {n: np.array(np.asarray(v)[:count]) for n, v in values.items()}
+        cache, columns, maps = self.cache, list(self.columns), self.files.maps
 
         def write():
-            cache.write_distinct(batch.ids, kept)
+            batch = host_ops.distinct(np.where(keep, ids, -1), self.shape[0])
+            if batch.ids.size == 0:  # (repeats hold equal values: the first is kept)
+                return
+            kept = {n: host_ops.gather(v, batch.first) for n, v in values.items()}
+            missing = [n for n in columns if n not in kept]
+            if missing:  # columns left out keep their values (a look, not a lookup: uncounted)
+                old = cache.peek(batch.ids)
+                kept.update({n: old[n] for n in missing})
+            cache.write_distinct(batch.ids, {n: kept[n].astype(maps[n].dtype, copy=False)
+                                             for n in columns})
             cache.drain()
 
-        # (Copies of the step's values: the step goes on while this runs.)
         self._background.submit(write)
 
     # -- between steps -------------------------------------------------------
@@ -478,13 +498,21 @@ class DiskTable:
                 f"{self._failed}); the table lacks that step's rows. Load a save "
                 "(`model.load_weights`, `BackupAndRestore`) to go on.") from self._failed
 
-    def _settle(self):
-        """Waits for the work beside the step; its failure is kept (`_check_open`)."""
+    def _settle(self, in_step=False):
+        """Waits for the work beside the step; its failure is kept (`_check_open`).
+
+        Args:
+            in_step: whether a step's host call waits (its wait counts in `health`).
+        """
+        start = time.perf_counter()
         try:
             self._background.wait()
         except BaseException as error:
             self._failed = error
             raise
+        finally:
+            if in_step:
+                self._waited += time.perf_counter() - start
 
     def close(self):
         """Writes the cache's rows to the files and lets the folder go (its lock
@@ -566,9 +594,13 @@ class DiskTable:
 
     def health(self):
         """The cache's counts so far (`RowCache.health`: hits, misses, hit rate, rows and
-        bytes read from and written to the files)."""
+        bytes read from and written to the files), and where the table's host work went
+        since the table was made, in milliseconds of wall clock: `host_ms` in the steps'
+        host calls (the step waits for them), `waited_ms` of it waiting for the thread
+        beside the step, `beside_ms` on that thread (overlapping the steps)."""
         self._settle()
-        return self.cache.health()
+        return {**self.cache.health(), "host_ms": 1e3 * self._in_step,
+                "waited_ms": 1e3 * self._waited, "beside_ms": 1e3 * self._background.busy}
 
 
 def _flush_at_exit(cache, background, owner):

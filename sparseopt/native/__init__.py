@@ -86,6 +86,7 @@ HOST_FUNCTIONS = {
     "so_find": ((_P64, _P64, _I64, _P64, _I64, _P64), _I64),
     "so_number": ((_P32, _I64, _I64, _P32, _P32, _P32), _I64),
     "so_gather": ((_BYTES, _I64, _P64, _I64, _BYTES), None),
+    "so_unreserved": ((_P64, _I64, _I64, _I64, _BYTES, _P64), _I64),
     "so_cache_read": ((_BYTES, _P64, _I64, _BYTES, _P64), _I64),
     "so_cache_write": ((_BYTES, _P64, _I64, _BYTES, _P64), _I64),
     "so_cache_insert": ((_BYTES, _P64, _P64, _I64, _BYTES, _I64), _I64),

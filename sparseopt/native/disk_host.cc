@@ -16,10 +16,13 @@
 // so_number     the step's ids numbered in the order of their last occurrence
 //               (sparseopt.engine.stages._numbered);
 // so_gather     rows of an array by index (-1: zeros);
+// so_unreserved the blocks of a file that rows lie on and that are not yet
+//               reserved on disk (RowFiles.reserve);
 // so_cache_*    RowCache's read, write and insert (set-associative, LRU/LFU),
 //               evicted dirty rows staged for so_stage_flush, which writes
 //               them into the files' memory maps.
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -148,6 +151,25 @@ void so_gather(const uint8_t* src, int64_t row_bytes, const int64_t* index, int6
       std::memcpy(out + k * row_bytes, src + index[k] * row_bytes, row_bytes);
     }
   }
+}
+
+// The blocks of `block_bytes` of a file that rows `ids` [n] lie on (rows of
+// `row_bytes` one after another; `row_bytes` 0: the written-rows bitmap, a
+// bit per row) and that `reserved` (a flag per block) does not hold, sorted,
+// each once, into `out` (room for n times the most blocks a row lies on).
+// Returns how many.
+int64_t so_unreserved(const int64_t* ids, int64_t n, int64_t row_bytes, int64_t block_bytes,
+                      const uint8_t* reserved, int64_t* out) {
+  int64_t count = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t first = row_bytes ? ids[i] * row_bytes : ids[i] >> 3;
+    const int64_t last = row_bytes ? first + row_bytes - 1 : first;
+    for (int64_t b = first / block_bytes; b <= last / block_bytes; ++b) {
+      if (!reserved[b]) out[count++] = b;
+    }
+  }
+  std::sort(out, out + count);
+  return std::unique(out, out + count) - out;
 }
 
 // A RowCache's arrays (NumPy's, which Python keeps alive), its files' maps,
