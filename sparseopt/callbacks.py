@@ -105,7 +105,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         partial = os.path.join(self.backup_dir, f".partial-{number:08d}")
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
-        tables = disk_tables(self.model)
+        # (Each folder's: a table split in shards snapshots every shard's folder.)
+        tables = [part for table in disk_tables(self.model) for part in table.parts()]
         before = [set(table.snapshots()) for table in tables]
         self.model.save_weights(os.path.join(partial, _WEIGHTS))
         # The snapshots this save took (one per table on disk): this backup's.

@@ -84,15 +84,16 @@ def replicated_beside(table, ndim):
 
 
 def check_on_this_host(layer_name, path, shape):
-    """Refuses an active distribution that would split a table on disk, or run it in
-    several processes.
+    """How many shards a table on disk is split into under the active distribution (1: none);
+    refuses a distribution it cannot follow.
 
     A table on disk lives in files on this host and is read and written by the step's
     host calls (`sparseopt.disk`): under a distribution that keeps it whole
     (`keras.distribution.DataParallel`: the batch split over this process's devices,
-    the variables replicated) it trains as on one device. A layout splitting its path
-    would be ignored silently (it is no variable), and several processes would each
-    open their own files: both are refused, naming the table.
+    the variables replicated) it trains as on one device. A layout splitting its rows
+    over a mesh axis (`row_sharded`) splits it into as many shards, each with its own
+    files and cache (`sparseopt.disk.sharded`). A layout splitting its columns, and
+    several processes (each would open its own files), are refused, naming the table.
 
     Args:
         layer_name: the owning layer's name, for the message.
@@ -101,19 +102,19 @@ def check_on_this_host(layer_name, path, shape):
     """
     distribution = keras.distribution.distribution()
     if distribution is None:
-        return
+        return 1
     if keras.backend.backend() != "jax":
         raise ValueError(
             f"Layer '{layer_name}': a table on disk ('{path}') under a keras.distribution "
             f"on {keras.backend.backend()} is not supported; train it outside the "
             "distribution's scope (on JAX, data parallel works).")
-    split = [axis for axis in _layout_of(distribution, path, shape).axes if axis is not None]
-    if split:
+    axes = tuple(_layout_of(distribution, path, shape).axes)
+    if any(axis is not None for axis in axes[1:]):
         raise ValueError(
-            f"Layer '{layer_name}': the distribution splits its table on disk '{path}' "
-            f"over devices (mesh axes {split}), but a table on disk is no array on the "
-            "devices: its rows are in files on this host, read and written by the step. "
-            "Leave its path out of the LayoutMap (the rest of the model may be split).")
+            f"Layer '{layer_name}': the distribution splits the columns of its table on disk "
+            f"'{path}' over devices (layout {axes}); a table on disk is split by rows only "
+            "(its rows are in files on this host). Split its rows (`row_sharded`), or leave "
+            "its path out of the LayoutMap.")
     import jax  # (JAX's: checked above)
 
     if jax.process_count() > 1:
@@ -121,6 +122,10 @@ def check_on_this_host(layer_name, path, shape):
             f"Layer '{layer_name}': a table on disk ('{path}') under a distribution over "
             f"{jax.process_count()} processes is not supported yet (each would open its "
             "own files); train it in one process, over its devices.")
+    rows = axes[0] if axes else None
+    names = rows if isinstance(rows, (tuple, list)) else (rows,)
+    sizes = dict(zip(distribution.device_mesh.axis_names, distribution.device_mesh.shape))
+    return math.prod(sizes[n] for n in names if n is not None)
 
 
 def _layout_of(distribution, path, shape):

@@ -1,6 +1,8 @@
 """Small models shared by the tests, and the environment of their child processes."""
 
 import os
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -160,6 +162,20 @@ def child_env(backend=None, test_xla=True, **extra):
     env.update(extra)
     return env
 
+
+def run_device_job(module, *args, devices=4):
+    """`python -m module args...`, a JAX child with `devices` simulated CPU devices (XLA's
+    default flags: a job that mostly runs steps); its `CompletedProcess` (text).
+
+    Args:
+        module: the job's module (`tests.jobs....`).
+        *args: its arguments (strings).
+        devices: how many devices it sees.
+    """
+    env = child_env("jax", test_xla=False, JAX_PLATFORMS="cpu",
+                    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
 
 def kinds(cases, keep):
     """`cases` as parameters: those in `keep` (one of each kind) run in `make test`.

@@ -27,7 +27,8 @@ from sparseopt.disk import table as disk_table
 from sparseopt.storage import disk_parts
 from sparseopt.storage import OnDisk
 from tests.conftest import to_np
-from tests.helpers import THOROUGH, ROOT, child_env, optimizer_state, registered_cases
+from tests.helpers import (THOROUGH, ROOT, child_env, optimizer_state, registered_cases,
+                           run_device_job)
 
 ROWS, WIDTH = 40, 3
 # `make test`: each registered updater's default and one other code path of it
@@ -678,28 +679,13 @@ def test_a_table_on_disk_under_a_tensorflow_strategy_is_refused(tmp_path):
         "strategy" in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
 
-@pytest.mark.jax_session  # (a keras.distribution is JAX's)
-def test_a_table_on_disk_split_by_a_keras_distribution_is_refused(tmp_path):
-    # Its path in the LayoutMap would be ignored (it is no array on the devices).
-    split = sparseopt.distribution.row_sharded(tables=[r".*/embeddings"])
-    with split.scope():
-        with pytest.raises(ValueError, match="'t0': the distribution splits its table on disk "
-                                             "'t0/embeddings' over devices"):
-            _model({"SGD": (sparseopt.updaters.SGD, {}, "float32", {})},
-                   lambda i, s: OnDisk(str(tmp_path / "t")))
-
-
 @pytest.mark.jax_session  # (its child is JAX's, with 4 simulated devices)
 def test_tables_on_disk_train_data_parallel_over_devices_as_on_one(tmp_path):
     # keras.distribution.DataParallel over 4 devices: the batch split, the tables on disk
     # on the host, read and written by the one compiled step's host calls. A table and
     # open vocabularies end as the same tables in memory on one device, to float rounding
     # (sums over devices go in another order), the maps exactly.
-    env = child_env("jax", test_xla=False, JAX_PLATFORMS="cpu",
-                    XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    proc = subprocess.run([sys.executable, "-m", "tests.jobs.disk_data_parallel_job",
-                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = run_device_job("tests.jobs.disk_data_parallel_job", tmp_path)
     assert proc.returncode == 0 and "devices 4, equal" in proc.stdout, \
         proc.stdout[-2000:] + proc.stderr[-3000:]
 

@@ -276,9 +276,9 @@ def test_an_open_vocabulary_is_exported_with_its_rows(tmp_path, on_disk):
 
 
 @pytest.mark.jax_session  # (a keras.distribution is JAX's; TF's strategies: test_disk_tables)
-def test_an_open_vocabulary_on_disk_split_by_a_distribution_is_refused(tmp_path):
-    # (Data parallel, it trains: test_disk_tables' data-parallel child trains one.)
+def test_an_open_vocabulary_on_disk_split_over_one_device_is_whole(tmp_path):
+    # (Data parallel, it trains: test_disk_tables' data-parallel child trains one. Split
+    # over several devices, it is refused, naming it: tests/jobs/disk_sharded_job.py.)
     with sparseopt.distribution.row_sharded(tables=[r".*/embeddings"]).scope():
-        with pytest.raises(ValueError, match="Layer 'v': the distribution splits its table "
-                                             "on disk 'v/embeddings'"):
-            _one(tmp_path / "v")
+        _, layer = _one(tmp_path / "v")
+    assert layer.embeddings.parts() == [layer.embeddings]

@@ -21,8 +21,12 @@ and writes a step's rows through it. The modules:
   the cache and evicted rows into the files;
 - `table.py`: `DiskTable`, the files and cache of one table as a layer holds
   it, read and written from traced code through the backend's host calls;
+- `sharded.py`: `ShardedDiskTable`, a table split by rows into shards (where a
+  distribution splits its rows over devices), each a `DiskTable` of its own
+  folder, files and cache;
 - `snapshots.py`: what a save holds of a table on disk: sparse, crash-safe
   copies of its files in its folder, which a load copies back.
 
-Next: incremental snapshots, sharding and open vocabularies (docs/disk.md).
+Next: incremental snapshots, shards over several processes, and the open
+vocabulary's map on disk (docs/disk.md).
 """

@@ -45,12 +45,23 @@ LAST = "last-number"  # (in FOLDER) the highest number ever taken
 _PARTIAL = ".partial-"
 
 
-def take(path, names):
+def next_number(path):
+    """The number `take` would give the next snapshot of the table in folder `path`."""
+    path = pathlib.Path(path)
+    last_file = path / FOLDER / LAST
+    last = int(last_file.read_text()) if last_file.exists() else 0
+    return max([int(n) for n in listed(path)] + [last]) + 1
+
+
+def take(path, names, at_least=1):
     """Copies the table's files `names` in folder `path` into a new snapshot; its name.
 
     Args:
         path: the table's folder (locked by the caller's open files).
         names: its files (every column's, the written-rows bitmap, `table.json`).
+        at_least: the lowest number to give it (a table split in shards gives
+            each shard's snapshot of one save the same name: the highest of
+            their `next_number`s).
     """
     path = pathlib.Path(path)
     root = path / FOLDER
@@ -65,9 +76,7 @@ def take(path, names):
             stale.unlink()
     for name in names:
         fsync_path(path / name)
-    numbers = [int(n) for n in listed(path)]
-    last = int((root / LAST).read_text()) if (root / LAST).exists() else 0
-    snapshot = f"{max(numbers + [last]) + 1:08d}"
+    snapshot = f"{max(next_number(path), int(at_least)):08d}"
     # Recorded before the copy: a crash after it leaves the number spent, never reused.
     tmp = root / (LAST + ".tmp")
     tmp.write_text(str(int(snapshot)))
@@ -99,25 +108,53 @@ def restore(path, snapshot, names, owner):
         ValueError: the snapshot is missing, incomplete or damaged, or another
             table's (the live files are then untouched).
     """
+    commit(path, stage(path, snapshot, names, owner))
+
+
+def stage(path, snapshot, names, owner):
+    """`restore`'s first half: the snapshot checked and its files copied beside the live
+    ones under hidden names; `{name: copy}` (nothing is left where it fails).
+
+    Args:
+        path, snapshot, names, owner: as for `restore`.
+    """
     path = pathlib.Path(path)
+    check(path, snapshot, names, owner)
     folder = path / FOLDER / str(snapshot)
-    _check(folder, snapshot, names, path, owner)
     staged = {name: path / (_PARTIAL + name) for name in names}
     try:
         for name in names:
             copy_sparse(folder / name, staged[name])
     except BaseException:
-        for file in staged.values():
-            file.unlink(missing_ok=True)
+        unstage(staged)
         raise
-    for name in names:
-        os.replace(staged[name], path / name)
+    return staged
+
+
+def unstage(staged):
+    """Removes `stage`'s copies (a restore given up before its `commit`)."""
+    for file in staged.values():
+        file.unlink(missing_ok=True)
+
+
+def commit(path, staged):
+    """`restore`'s second half: `stage`'s copies renamed over the live files of folder
+    `path` (the only window in which a crash mixes live files)."""
+    path = pathlib.Path(path)
+    for name, file in staged.items():
+        os.replace(file, path / name)
     fsync_path(path)
 
 
-def _check(folder, snapshot, names, path, owner):
-    """Raises a ValueError naming `owner` unless `folder` is a complete, whole snapshot of
-    this table's files."""
+def check(path, snapshot, names, owner):
+    """Raises a ValueError naming `owner` unless snapshot `snapshot` of the table in folder
+    `path` is complete, whole, and of this table's files (as `restore` checks first).
+
+    Args:
+        path, snapshot, names, owner: as for `restore`.
+    """
+    path = pathlib.Path(path)
+    folder = path / FOLDER / str(snapshot)
     where = f"{owner}: the file being loaded holds its rows in snapshot '{snapshot}' of '{path}'"
     if str(snapshot).startswith(_PARTIAL) or not (folder / COMPLETE).exists():
         raise ValueError(

@@ -60,16 +60,20 @@ class DiskTable:
             are drawn from (`sparseopt.disk.initial_rows.InitialRows`).
         slots: the table's per-row `SlotSpec`s (its updater's), each a column.
         settings: its `sparseopt.storage.OnDisk`.
+        first_row: where a shard of a larger table starts in it
+            (`sparseopt.disk.sharded`): its rows never written are drawn as that
+            table's rows `first_row + i` are, so a table reads the same split or whole.
     """
 
     trainable = False  # (never a variable an optimizer is handed)
 
-    def __init__(self, path, shape, dtype, initializer, slots, settings):
+    def __init__(self, path, shape, dtype, initializer, slots, settings, first_row=0):
         self.path, self.name = path, path.split("/")[-1]
         self.shape, self.dtype = tuple(int(d) for d in shape), str(dtype)
         self.settings = settings
         owner = f"Table '{path}'"
-        initial = InitialRows(initializer, self.shape[1], owner=owner)
+        drawn = InitialRows(initializer, self.shape[1], owner=owner)
+        initial = drawn if not first_row else (lambda ids: drawn(ids + first_row))
         # An int8 table keeps codes and a scale per row (`int8_columns`).
         self.int8 = self.dtype == "int8"
         columns = int8_columns.columns(initial, self.shape[1]) if self.int8 else {
@@ -82,7 +86,8 @@ class DiskTable:
             columns[spec.name] = Column(spec.shape(self.shape)[1:],
                                         spec.dtype_for(settings.state_dtype), spec.initial_value)
         self._owner, self._columns = owner, columns
-        self._describe = {"initial": initial.get_config()}
+        self._describe = {"initial": drawn.get_config(),
+                          **({"first_row": int(first_row)} if first_row else {})}
         # The host work a step need not wait for, beside it (`background.py`).
         self._background = Background(f"sparseopt disk table {path}")
         # Guards `_last_read` alone: the cache's lock is held by the thread beside
@@ -225,9 +230,6 @@ class DiskTable:
         def write(ids, count, keep, *arrays):
             self._write_host(np.asarray(ids), int(count), np.asarray(keep),
                              dict(zip(names, arrays)))
-            following, self._following = self._following, None
-            if following is not None:
-                self._fetch(following)  # (the next step's rows, while this step ends)
 
         backend.host_write(self._timed(write), args)
 
@@ -383,6 +385,9 @@ class DiskTable:
             cache.drain()
 
         self._background.submit(write)
+        following, self._following = self._following, None
+        if following is not None:
+            self._fetch(following)  # (the next step's rows, while this step ends)
 
     # -- between steps -------------------------------------------------------
 
@@ -438,13 +443,8 @@ class DiskTable:
             OSError: a part could not be written (a full disk), naming the table and
                 the rows worked on before it.
         """
-        rows_per_part = rows_per_part or PART_ROWS
-        if rows_per_part % 16:
-            raise ValueError(f"{self._owner}: parts of whole-table work are a multiple of "
-                             f"16 rows (see PART_ROWS), not {rows_per_part}.")
-        self._check_open()
-        self._settle()
-        self._written_back(empty=writes)
+        rows_per_part = self._part_rows(rows_per_part)
+        self._before_whole(writes)
         for start in range(0, self.shape[0], rows_per_part):
             ids = np.arange(start, min(start + rows_per_part, self.shape[0]), dtype=np.int64)
             new = work(ids, self.files.read(ids))
@@ -455,13 +455,27 @@ class DiskTable:
             try:
                 self.files.write(ids, {n: new[n] for n in self.columns})
             except OSError as error:
-                # (Each row is either worked on or not: the work is row by row, and
-                # done again it changes nothing it did, so it may simply be run again.)
-                raise OSError(
-                    f"{self._owner}: the work on every row (the end of fit's catch-up or "
-                    f"average) wrote rows 0 to {start - 1} and could not write rows from "
-                    f"{start} on ({error}). Free disk space and run it again "
-                    "(`optimizer.catch_up_tables()`, or `fit`), or load a save.") from error
+                raise whole_work_failed(self._owner, start, error) from error
+
+    def _part_rows(self, rows_per_part):
+        """`rows_per_part` checked (a multiple of 16: see PART_ROWS), or PART_ROWS."""
+        rows_per_part = rows_per_part or PART_ROWS
+        if rows_per_part % 16:
+            raise ValueError(f"{self._owner}: parts of whole-table work are a multiple of "
+                             f"16 rows (see PART_ROWS), not {rows_per_part}.")
+        return rows_per_part
+
+    def _before_whole(self, writes):
+        """Before work on every row: the thread beside the step settled, the cache's rows
+        in the files, and where the work `writes`, the cache emptied (`each_part`)."""
+        self._check_open()
+        self._settle()
+        self._written_back(empty=writes)
+
+    def parts(self):
+        """The tables whose folders hold this one's files: itself (a table split in
+        shards, `sparseopt.disk.sharded`, gives its shards)."""
+        return [self]
 
     def _written_back(self, empty):
         """Writes the cache's rows into the files (the thread beside the step settled
@@ -536,14 +550,18 @@ class DiskTable:
                     self._finalizer.detach()
                     self.files.close()
 
-    def snapshot(self):
+    def snapshot(self, at_least=1):
         """Writes the cache's rows to the files, then copies the files into a new snapshot
-        (`sparseopt.disk.snapshots.take`); its name. What a save of the table holds."""
+        (`sparseopt.disk.snapshots.take`); its name. What a save of the table holds.
+
+        Args:
+            at_least: the lowest number to name it by (`snapshots.take`).
+        """
         self._check_open()
         self._settle()
         with self.cache.lock:
             self.cache.flush()
-            return snapshots.take(self.settings.path, self.files.names)
+            return snapshots.take(self.settings.path, self.files.names, at_least)
 
     def restore(self, snapshot):
         """Makes the table what snapshot `snapshot` holds (its files copied back, the cache
@@ -556,16 +574,27 @@ class DiskTable:
             ValueError: the snapshot is missing, incomplete, or another table's.
         """
         self._check_not_closed()  # (a table lacking a step's rows may load: that mends it)
+        self._before_restore()
+        self._replace_files(lambda: snapshots.restore(self.settings.path, snapshot,
+                                                      self.files.names, self._owner))
+
+    def _before_restore(self):
+        """Before its files are replaced: the thread beside the step settled (its failure
+        kept: what the snapshot replaces, if it loads), the cache's rows in the files (a
+        load that fails leaves the table as it was, its rows in its files)."""
         try:
             self._background.wait()
-        except Exception as error:  # noqa: BLE001 (what the snapshot replaces, if it loads)
+        except Exception as error:  # noqa: BLE001
             self._failed = error
         with self.cache.lock:
-            # The cache's rows into the files first: a load that fails leaves the table
-            # as it was, its rows in its files.
             self.cache.flush()
+
+    def _replace_files(self, replace):
+        """`replace()` puts other files in the folder; the table then maps them, with a
+        new, empty cache (the old one's rows were the table's before)."""
+        with self.cache.lock:
             try:
-                snapshots.restore(self.settings.path, snapshot, self.files.names, self._owner)
+                replace()
                 self._failed = None  # (what a failed write lost is replaced)
             finally:
                 # Whatever happened, the maps follow the files there now (a restore
@@ -601,6 +630,16 @@ class DiskTable:
         self._settle()
         return {**self.cache.health(), "host_ms": 1e3 * self._in_step,
                 "waited_ms": 1e3 * self._waited, "beside_ms": 1e3 * self._background.busy}
+
+
+def whole_work_failed(owner, start, error):
+    """The `OSError` of work on every row that wrote rows before `start` and failed there."""
+    # (Each row is either worked on or not: the work is row by row, and done again it
+    # changes nothing it did, so it may simply be run again.)
+    return OSError(
+        f"{owner}: the work on every row (the end of fit's catch-up or average) wrote rows 0 "
+        f"to {start - 1} and could not write rows from {start} on ({error}). Free disk space "
+        "and run it again (`optimizer.catch_up_tables()`, or `fit`), or load a save.")
 
 
 def _flush_at_exit(cache, background, owner):

@@ -310,6 +310,13 @@ class DynamicEmbedding(SparseEmbedding):
         return {**config, "capacity": self.capacity, "key_halves": self.key_halves,
                 "default_row": self.default_row, **self.vocabulary.get_config()}
 
+    def _check_shards(self, path, shards):
+        raise ValueError(
+            f"Layer '{self.name}': the distribution splits its open vocabulary on disk "
+            f"('{path}') over {shards} devices, which is not supported yet (its map is one, "
+            "in memory). Leave its path out of the LayoutMap: it then trains data parallel, "
+            "as one table.")
+
 
 class _DiskRows:
     """A table on disk as `OpenVocabulary.delta` reads it: rows by id, as its lookup

@@ -8,6 +8,7 @@ import numpy as np
 from sparseopt import backend, compat
 from sparseopt import storage as storage_lib
 from sparseopt import updaters as updaters_lib
+from sparseopt.disk.sharded import ShardedDiskTable
 from sparseopt.disk.table import DiskTable
 from sparseopt.distribution import check_even_split, check_on_this_host
 from sparseopt.storage.block_init import add_table
@@ -20,14 +21,18 @@ COMBINERS = (None, "sum", "mean")
 _DISK_FORMAT = "sparseopt-disk-snapshot"
 
 
-def disk_record(snapshot, shape):
+def disk_record(snapshot, shape, shards=1):
     """The uint8 array a weights file holds for a table on disk: JSON naming its snapshot.
 
     Args:
-        snapshot: the snapshot's name.
+        snapshot: the snapshot's name (every shard's, for a table split in shards).
         shape: the table's shape.
+        shards: how many shards it is split into (1: none; recorded where more).
     """
-    text = json.dumps({"format": _DISK_FORMAT, "snapshot": snapshot, "shape": list(shape)})
+    record = {"format": _DISK_FORMAT, "snapshot": snapshot, "shape": list(shape)}
+    if shards > 1:
+        record["shards"] = int(shards)
+    text = json.dumps(record)
     return np.frombuffer(text.encode(), np.uint8)
 
 
@@ -58,6 +63,12 @@ def snapshot_of(entry, layer_name, table):
     if tuple(record["shape"]) != tuple(table.shape):
         raise ValueError(f"Layer '{layer_name}': the file's table on disk has shape "
                          f"{tuple(record['shape'])}, this layer's {tuple(table.shape)}.")
+    saved, here = record.get("shards", 1), len(table.parts())
+    if saved != here:
+        raise ValueError(
+            f"Layer '{layer_name}': the file's table on disk '{table.path}' was split into "
+            f"{saved} shard(s) (one folder each), this layer's into {here}: the distribution "
+            "that splits the table by rows must split it as when it was saved.")
     return record["snapshot"]
 
 # keras.layers.Embedding options that have no sparse meaning, and the fix.
@@ -178,10 +189,10 @@ class SparseEmbedding(keras.layers.Layer):
     def build(self, input_shape=None):
         shape = (self.input_dim, self.output_dim)
         path = f"{compat.current_path()}/embeddings".lstrip("/")
-        check_even_split(self.name, path, shape)
-        if self.on_disk:
+        if self.on_disk:  # (no array on the devices: its shards need not be even)
             self._build_on_disk(path, shape)
             return
+        check_even_split(self.name, path, shape)
         if self.int8 is not None:
             self.int8.build(self, shape, self.embeddings_initializer, self._add_int8_state)
             self.embeddings, self.embeddings_scale = self.int8.codes, self.int8.scale
@@ -202,15 +213,24 @@ class SparseEmbedding(keras.layers.Layer):
 
     def _build_on_disk(self, path, shape):
         """The table in files (`sparseopt.disk`): rows and each per-row slot of the updater."""
-        check_on_this_host(self.name, path, shape)  # (a DataParallel model: allowed)
+        # (DataParallel: one table; its rows split over devices: as many shards.)
+        shards = check_on_this_host(self.name, path, shape)
         settings = storage_lib.of_table(self.storage, self.updater, path)
         # (An int8 table on disk keeps its codes and scales in its files: `self.int8`
         # stays unbuilt, for the layer's config.)
         dtype = "int8" if self.int8 is not None else self.variable_dtype
-        self.embeddings = DiskTable(path, shape, dtype,
-                                    self.embeddings_initializer,
-                                    [s for s in self.updater.slots if s.per_row], settings)
+        args = (path, shape, dtype, self.embeddings_initializer,
+                [s for s in self.updater.slots if s.per_row], settings)
+        if shards > 1:
+            self._check_shards(path, shards)
+            self.embeddings = ShardedDiskTable(*args, shards=shards)
+        else:
+            self.embeddings = DiskTable(*args)
         self._lookup = self._make_lookup()
+
+    def _check_shards(self, path, shards):
+        """Raises where this layer's table on disk (`path`) cannot be split into `shards`
+        (a subclass's: an open vocabulary's)."""
 
     def flush(self):
         """A table on disk: writes its cached rows to its files, and the files to disk.
@@ -300,7 +320,8 @@ class SparseEmbedding(keras.layers.Layer):
         if self.on_disk:
             # The file holds the name of a snapshot of the table's files (in its folder).
             with backend.outside_trace():
-                store["0"] = disk_record(self.embeddings.snapshot(), self.embeddings.shape)
+                store["0"] = disk_record(self.embeddings.snapshot(), self.embeddings.shape,
+                                         len(self.embeddings.parts()))
             return
         if self.int8 is not None:
             with backend.outside_trace():

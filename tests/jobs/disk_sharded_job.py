@@ -1,0 +1,154 @@
+"""Tables on disk split by rows over devices (`sparseopt.distribution.row_sharded`), against
+the same tables on disk whole, under the same batch split (tests/test_disk_sharded.py).
+
+Usage: python -m tests.jobs.disk_sharded_job FOLDER   (with 4 JAX devices)
+
+Trains `test_disk_tables`' model with tables of 42 rows (row-wise Adagrad, Adam, and
+options that work on every row, Lookahead, an int8 table) (split 11, 11, 11, 9 over 4 devices: uneven) on disk, under `row_sharded` (each
+table kept as 4 shards, each with its own folder, files and cache) and under
+`DataParallel` (the tables whole; the same batch split over the same devices). Checks:
+
+- the shards read the rows the whole tables read before training (rows never written
+  drawn as the whole table's, wherever a shard starts);
+- after two epochs (caches of 8 rows over 4 shards: rows evicted and read back all
+  along), every row, every per-row slot and every dense weight is the whole tables',
+  bit for bit: the compiled steps are the same, and the host calls route ids only;
+- each shard's folder holds its own files; the cache counts add up over the shards;
+- a save (`save_weights`) snapshots every shard; trained further, a load brings every
+  shard back; a file of the split tables refuses to load into the whole ones.
+
+Prints "shards 4, equal" where all holds (an AssertionError otherwise).
+"""
+
+import os
+import sys
+
+import jax
+import keras
+import numpy as np
+
+import sparseopt
+from sparseopt.storage import OnDisk
+from tests.test_disk_tables import WRAPPER_CASES, _data, _heads, _model, _set_heads
+
+CASES = {"RowwiseAdagrad": (sparseopt.updaters.RowwiseAdagrad, {}, "float32", {}),
+         "Adam": (sparseopt.updaters.Adam, {}, "float32", {}),
+         # Work on every row (each step's decay of untouched rows, fit's end's average),
+         # in parts that may lie on two shards; Lookahead's sync of the rows its window
+         # changed; an int8 table's codes and scales.
+         **{name: WRAPPER_CASES[name] for name in (
+             "SGD:dense_momentum_decay", "RowwiseAdagrad:ema", "RowwiseAdagrad:lookahead",
+             "Adagrad:int8_dense_decay")}}
+ROWS = 42
+
+
+def layer_of(i, updater, storage, dtype):
+    return sparseopt.layers.SparseEmbedding(ROWS, 3, updater=updater, storage=storage,
+                                            dtype=dtype, name=f"t{i}")
+
+
+def build(folder, name, distribution, **settings):
+    with distribution.scope():
+        return _model(CASES, lambda i, s: OnDisk(os.path.join(folder, f"{name}{i}"),
+                                                 cache_rows=8, **settings), layer_of)
+
+
+def state(layers, heads):
+    return ([(layer.embeddings.numpy().copy(),
+              {n: layer.embeddings.numpy(n).copy() for n in layer.embeddings.columns})
+             for layer in layers], _heads(heads))
+
+
+def assert_same(got, want):
+    for (rows, slots), (rows_want, slots_want) in zip(got[0], want[0]):
+        np.testing.assert_array_equal(rows, rows_want)
+        for name in slots_want:
+            np.testing.assert_array_equal(slots[name], slots_want[name], err_msg=name)
+    for head, head_want in zip(got[1], want[1]):
+        for w, w_want in zip(head, head_want):
+            np.testing.assert_array_equal(w, w_want)
+
+
+def main():
+    folder = sys.argv[1]
+    devices = jax.devices()
+    assert len(devices) == 4, devices
+    sharded = sparseopt.distribution.row_sharded(tables=[r".*/embeddings"])
+    whole_distribution = keras.distribution.DataParallel(devices=devices)
+    # (The split tables fetch each step's rows ahead, by shard: the cache is transparent.)
+    split, split_layers, split_heads = build(folder, "s", sharded, fetch_ahead=True)
+    whole, whole_layers, whole_heads = build(folder, "w", whole_distribution)
+    for layer in split_layers:
+        table = layer.embeddings
+        assert len(table.parts()) == 4, table
+        assert sorted(os.listdir(table.settings.path)) == [
+            f"shard-{k}-of-4" for k in range(4)]
+        assert [p.shape[0] for p in table.parts()] == [11, 11, 11, 9]
+    for w in whole_layers:
+        assert len(w.embeddings.parts()) == 1
+    _set_heads(split_heads, _heads(whole_heads))
+    start = state(whole_layers, whole_heads)
+    assert_same(state(split_layers, split_heads), start)  # (drawn where a shard starts)
+
+    x, y = _data(len(CASES), rows=64)
+    with sharded.scope():
+        split.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    with whole_distribution.scope():
+        whole.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    trained = state(whole_layers, whole_heads)
+    assert not np.array_equal(trained[0][0][0], start[0][0][0])  # (it trained)
+    assert_same(state(split_layers, split_heads), trained)
+    for s, w in zip(split_layers, whole_layers):
+        got, want = s.disk_stats(), w.disk_stats()
+        per_shard = [p.health() for p in s.embeddings.parts()]
+        assert got["misses"] == sum(p["misses"] for p in per_shard) > 0
+        # (Each step's rows looked up once, and again where a fetch ahead was evicted.)
+        assert got["hits"] + got["misses"] >= want["hits"] + want["misses"]
+        assert got["host_ms"] > 0 and got["beside_ms"] > 0
+        assert got["steps_fetched_ahead"] > 0 and want["steps_fetched_ahead"] == 0
+        np.testing.assert_array_equal(s.embeddings.rows_read(), w.embeddings.rows_read())
+
+    # A save snapshots every shard; a load brings every shard back.
+    weights = os.path.join(folder, "split.weights.h5")
+    with sharded.scope():
+        split.save_weights(weights)
+        for layer in split_layers:
+            names = layer.embeddings.snapshots()
+            assert len(names) == 1 and all(
+                p.snapshots() == names for p in layer.embeddings.parts())
+        split.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+        assert not np.array_equal(split_layers[0].embeddings.numpy(), trained[0][0][0])
+        split.load_weights(weights)
+    assert_same(state(split_layers, split_heads), trained)
+    try:
+        whole.load_weights(weights)
+    except ValueError as error:
+        assert "split into 4 shard(s)" in str(error), error
+    else:
+        raise AssertionError("a file of the split tables loaded into the whole ones")
+    # BackupAndRestore backs every shard up, and removes every shard's snapshots with
+    # its backups.
+    backups = os.path.join(folder, "backups")
+    with sharded.scope():
+        split.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[sparseopt.callbacks.BackupAndRestore(backups)])
+    for layer in split_layers:
+        assert layer.embeddings.snapshots() == names, layer.embeddings.snapshots()
+        assert all(p.snapshots() == names for p in layer.embeddings.parts())
+
+    # An open vocabulary on disk is not split yet: refused, naming it.
+    with sharded.scope():
+        vocabulary = sparseopt.layers.DynamicEmbedding(
+            40, 3, sparseopt.updaters.SGD(0.1), name="v",
+            storage=OnDisk(os.path.join(folder, "v"), cache_rows=8))
+        try:
+            vocabulary(keras.ops.zeros((2, 2), "int32"))
+        except ValueError as error:
+            assert "'v': the distribution splits its open vocabulary on disk" in str(error)
+        else:
+            raise AssertionError("a split open vocabulary on disk was built")
+    print("shards 4, equal")
+
+
+if __name__ == "__main__":
+    main()

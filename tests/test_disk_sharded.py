@@ -1,0 +1,134 @@
+"""Tables on disk split by rows into shards (`sparseopt.disk.sharded`).
+
+Through `fit`, as users train them: `tests/jobs/disk_sharded_job.py`, a child
+with 4 devices (`row_sharded` splits each table into 4 shards, against the same
+tables whole under the same batch split: bit for bit; saves, loads, backups).
+Here also, at the host level, what `fit` cannot produce on demand: a save
+interrupted between two shards, and a load that fails on one shard.
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import sparseopt
+from sparseopt.disk import snapshots
+from sparseopt.disk.sharded import ShardedDiskTable
+from sparseopt.storage import OnDisk
+from tests.helpers import run_device_job
+
+
+@pytest.mark.jax_session  # (its child is JAX's, with 4 simulated devices)
+def test_a_table_split_by_rows_over_devices_trains_as_the_table_whole(tmp_path):
+    proc = run_device_job("tests.jobs.disk_sharded_job", tmp_path)
+    assert proc.returncode == 0 and "shards 4, equal" in proc.stdout, \
+        proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def _table(folder, shards=3, rows=10):
+    """A row-wise Adagrad table of `rows` x 2 split into `shards`, made directly (a
+    shortcut: these tests are of its host side, between steps)."""
+    updater = sparseopt.updaters.RowwiseAdagrad(0.1)
+    return ShardedDiskTable("emb/embeddings", (rows, 2), "float32",
+                            keras.initializers.RandomUniform(-1, 1, seed=3),
+                            [s for s in updater.slots if s.per_row],
+                            OnDisk(str(folder), cache_rows=6), shards=shards)
+
+
+def _written(table, value):
+    """Every row written `value` (as a step's write would), through the host."""
+    ids = np.arange(table.shape[0])
+    table._write_host(ids, ids.size, np.ones(ids.size, bool),
+                      {"rows": np.full((ids.size, 2), value, np.float32)})
+    table.flush()
+
+
+@pytest.mark.backend_independent
+def test_shards_draw_the_rows_of_the_table_whole_and_split_it_evenly(tmp_path):
+    split = _table(tmp_path / "split", shards=3, rows=10)
+    assert [p.shape[0] for p in split.parts()] == [4, 4, 2]
+    assert sorted(os.listdir(tmp_path / "split")) == [f"shard-{k}-of-3" for k in range(3)]
+    whole = sparseopt.disk.table.DiskTable(
+        "emb/embeddings", (10, 2), "float32", keras.initializers.RandomUniform(-1, 1, seed=3),
+        [], OnDisk(str(tmp_path / "whole"), cache_rows=6))
+    np.testing.assert_array_equal(split.numpy(), whole.numpy())
+    np.testing.assert_array_equal(split.numpy(ids=[9, 0, 4]), whole.numpy(ids=[9, 0, 4]))
+    with pytest.raises(IndexError, match="row 10 is outside the table's 10 rows"):
+        split.numpy(ids=[10])
+    with pytest.raises(ValueError, match="split into 2 to 10 shards .its rows., not 11"):
+        _table(tmp_path / "many", shards=11, rows=10)
+
+
+@pytest.mark.backend_independent
+def test_a_save_interrupted_between_shards_is_never_listed_and_is_removed(tmp_path):
+    table = _table(tmp_path / "t")
+    _written(table, 1.0)
+    first = table.snapshot()
+    # A save that stopped after its first shard (a crash): that shard alone holds it.
+    table.parts()[0].snapshot(at_least=snapshots.next_number(table.parts()[0].settings.path))
+    assert table.snapshots() == [first]
+    second = table.snapshot()  # (one name for every shard, past the interrupted one)
+    assert int(second) == int(first) + 2
+    assert all(p.snapshots()[-1] == second for p in table.parts())
+    assert table.remove_snapshots(keep=1) == [first]
+    assert all(p.snapshots() == [second] for p in table.parts())  # (the stray one too)
+
+
+@pytest.mark.backend_independent
+@pytest.mark.parametrize("failure", ["damaged", "copy"])
+def test_a_load_that_fails_on_one_shard_leaves_every_shard_as_it_was(tmp_path, monkeypatch,
+                                                                      failure):
+    table = _table(tmp_path / "t")
+    _written(table, 1.0)
+    saved = table.snapshot()
+    _written(table, 2.0)
+    last = table.parts()[-1]
+    if failure == "damaged":  # the last shard's snapshot lost a file: checked first
+        os.remove(tmp_path / "t" / "shard-2-of-3" / "snapshots" / saved / "rows.bin")
+        match = "whose 'rows.bin' is missing"
+    else:  # the last shard's copy fails (a full disk), after the others were copied
+        copy = snapshots.copy_sparse
+
+        def failing(src, dst):
+            if str(last.settings.path) in str(dst):
+                raise OSError(28, "No space left on device")
+            copy(src, dst)
+
+        monkeypatch.setattr(snapshots, "copy_sparse", failing)
+        match = "No space left"
+    with pytest.raises((ValueError, OSError), match=match):
+        table.restore(saved)
+    np.testing.assert_array_equal(table.numpy(), np.full((10, 2), 2.0, np.float32))
+    for part in table.parts():  # (no copy left beside the live files)
+        assert not [f for f in os.listdir(part.settings.path) if f.startswith(".partial")]
+    monkeypatch.undo()
+    if failure == "copy":  # (the snapshot itself is whole: it loads)
+        table.restore(saved)
+        np.testing.assert_array_equal(table.numpy(), np.full((10, 2), 1.0, np.float32))
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="keras.distribution: JAX's")
+def test_rows_split_over_one_device_keep_the_table_whole(tmp_path):
+    with sparseopt.distribution.row_sharded(tables=[r".*/embeddings"]).scope():
+        layer = sparseopt.layers.SparseEmbedding(
+            8, 2, sparseopt.updaters.SGD(0.1), name="t",
+            storage=OnDisk(str(tmp_path / "t"), cache_rows=4))
+        layer(keras.ops.zeros((2, 2), "int32"))
+    assert layer.embeddings.parts() == [layer.embeddings]
+    assert "table.json" in os.listdir(tmp_path / "t")  # (its own files: no shard folders)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="keras.distribution: JAX's")
+def test_a_split_of_a_table_on_disks_columns_is_refused_with_the_fix(tmp_path):
+    mesh = keras.distribution.DeviceMesh((1,), ["model"])
+    layout = keras.distribution.LayoutMap(mesh)
+    layout["t/embeddings"] = (None, "model")
+    with keras.distribution.ModelParallel(layout_map=layout).scope():
+        layer = sparseopt.layers.SparseEmbedding(
+            8, 2, sparseopt.updaters.SGD(0.1), name="t",
+            storage=OnDisk(str(tmp_path / "t"), cache_rows=4))
+        with pytest.raises(ValueError, match="splits the columns of its table on disk "
+                                             "'t/embeddings'.*Split its rows"):
+            layer(keras.ops.zeros((2, 2), "int32"))
