@@ -45,20 +45,61 @@ def _written(table, value):
     table.flush()
 
 
+def _whole(folder, rows=10):
+    return sparseopt.disk.table.DiskTable(
+        "emb/embeddings", (rows, 2), "float32", keras.initializers.RandomUniform(-1, 1, seed=3),
+        [], OnDisk(str(folder), cache_rows=6))
+
+
 @pytest.mark.backend_independent
-def test_shards_draw_the_rows_of_the_table_whole_and_split_it_evenly(tmp_path):
-    split = _table(tmp_path / "split", shards=3, rows=10)
-    assert [p.shape[0] for p in split.parts()] == [4, 4, 2]
-    assert sorted(os.listdir(tmp_path / "split")) == [f"shard-{k}-of-3" for k in range(3)]
-    whole = sparseopt.disk.table.DiskTable(
-        "emb/embeddings", (10, 2), "float32", keras.initializers.RandomUniform(-1, 1, seed=3),
-        [], OnDisk(str(tmp_path / "whole"), cache_rows=6))
+@pytest.mark.parametrize("rows,shards,sizes", [(10, 3, [3, 3, 4]), (6, 4, [1, 2, 1, 2]),
+                                               (5, 4, [1, 1, 1, 2]), (2, 2, [1, 1])])
+def test_shards_split_any_table_and_read_and_write_its_rows(tmp_path, rows, shards, sizes):
+    split = _table(tmp_path / "split", shards=shards, rows=rows)
+    assert [p.shape[0] for p in split.parts()] == sizes
+    assert sorted(os.listdir(tmp_path / "split")) == sorted(
+        [".lock", "shards.json", *(f"shard-{k}-of-{shards}" for k in range(shards))])
+    whole = _whole(tmp_path / "whole", rows)
+    # Rows never written: drawn as the whole table's, wherever a shard starts.
     np.testing.assert_array_equal(split.numpy(), whole.numpy())
-    np.testing.assert_array_equal(split.numpy(ids=[9, 0, 4]), whole.numpy(ids=[9, 0, 4]))
-    with pytest.raises(IndexError, match="row 10 is outside the table's 10 rows"):
-        split.numpy(ids=[10])
+    backwards = np.arange(rows)[::-1]
+    np.testing.assert_array_equal(split.numpy(ids=backwards), whole.numpy(ids=backwards))
+    # Each id's row written to its shard, and read back from it.
+    ids = np.array([rows - 1, 0, -1, rows, rows // 2])  # (two outside the table)
+    split._write_host(ids, ids.size, np.ones(ids.size, bool),
+                      {"rows": np.repeat(ids[:, None], 2, 1).astype(np.float32) + 0.5})
+    want = whole.numpy().copy()
+    want[[rows - 1, 0, rows // 2]] = np.array([rows - 1, 0, rows // 2])[:, None] + 0.5
+    np.testing.assert_array_equal(split.numpy(), want)
+    got = split._read_host(ids.reshape(1, -1), ["rows"])[0]
+    np.testing.assert_array_equal(got[0, [2, 3]], 0.0)  # (outside: zeros)
+    np.testing.assert_array_equal(got[0, [0, 1, 4]], want[[rows - 1, 0, rows // 2]])
+    with pytest.raises(IndexError, match=f"row {rows} is outside the table's {rows} rows"):
+        split.numpy(ids=[rows])
+
+
+@pytest.mark.backend_independent
+def test_a_folder_holds_one_table_whole_or_split_one_way(tmp_path):
     with pytest.raises(ValueError, match="split into 2 to 10 shards .its rows., not 11"):
         _table(tmp_path / "many", shards=11, rows=10)
+    whole = _whole(tmp_path / "w")
+    whole.close()
+    with pytest.raises(ValueError, match="holds a table on disk whole .its table.json., and "
+                                         "this table is split into 3 shards"):
+        _table(tmp_path / "w")
+    split = _table(tmp_path / "s", shards=3)
+    with pytest.raises(ValueError, match="is open already"):  # (split, open: locked)
+        _whole(tmp_path / "s")
+    with pytest.raises(ValueError, match="is open already"):
+        _table(tmp_path / "s", shards=3)
+    split.close()
+    with pytest.raises(ValueError, match="holds a table on disk split into shards .* and "
+                                         "this table is whole"):
+        _whole(tmp_path / "s")
+    with pytest.raises(ValueError, match="split as .'shape': .10, 2., 'shards': 3.; this "
+                                         "table is split as .'shards': 2"):
+        _table(tmp_path / "s", shards=2)
+    _table(tmp_path / "s", shards=3).close()  # (as it was: reopened)
 
 
 @pytest.mark.backend_independent
@@ -107,6 +148,32 @@ def test_a_load_that_fails_on_one_shard_leaves_every_shard_as_it_was(tmp_path, m
     if failure == "copy":  # (the snapshot itself is whole: it loads)
         table.restore(saved)
         np.testing.assert_array_equal(table.numpy(), np.full((10, 2), 1.0, np.float32))
+
+
+@pytest.mark.backend_independent
+def test_a_load_whose_renames_fail_on_one_shard_renames_the_others_and_loads_again(
+        tmp_path, monkeypatch):
+    table = _table(tmp_path / "t")
+    _written(table, 1.0)
+    saved = table.snapshot()
+    _written(table, 2.0)
+    commit = snapshots.commit
+    middle = str(table.parts()[1].settings.path)
+
+    def failing(path, staged):
+        if str(path) == middle:
+            raise OSError(5, "Input/output error")
+        commit(path, staged)
+
+    monkeypatch.setattr(snapshots, "commit", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        table.restore(saved)
+    # Rolled forward: the other shards hold the snapshot, the failed one its own rows.
+    got = [part.numpy() for part in table.parts()]
+    assert np.all(got[0] == 1.0) and np.all(got[1] == 2.0) and np.all(got[2] == 1.0)
+    monkeypatch.undo()
+    table.restore(saved)  # (loaded again: every shard the snapshot)
+    np.testing.assert_array_equal(table.numpy(), np.full((10, 2), 1.0, np.float32))
 
 
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="keras.distribution: JAX's")

@@ -146,6 +146,11 @@ def unreserved(ids, row_bytes, block_bytes, reserved):
         reserved: bool `[blocks]`, the file's blocks reserved so far.
     """
     ids = np.ascontiguousarray(ids, np.int64)
+    if ids.size:  # (C reads `reserved` at each row's blocks: none may lie outside it)
+        last = int(ids.max()) * row_bytes + row_bytes - 1 if row_bytes else int(ids.max()) >> 3
+        if ids.min() < 0 or last // block_bytes >= reserved.size:
+            raise IndexError(f"unreserved: rows {int(ids.min())} to {int(ids.max())} lie "
+                             f"outside a file of {reserved.size} blocks")
     lib = library()
     if lib is None:
         return _unreserved_numpy(ids, row_bytes, block_bytes, reserved)

@@ -38,6 +38,7 @@ RESERVE_BYTES = mmap.PAGESIZE
 
 FORMAT = 1
 LOCK = ".lock"  # held (flock) by the one RowFiles that has the folder open
+SHARDS = "shards.json"  # in the folder of a table split into shards (`layout.py`)
 WRITTEN = "written.bits"
 
 
@@ -82,7 +83,7 @@ class RowFiles:
         self.path, self.num_rows, self.owner = pathlib.Path(path), int(num_rows), owner
         self.columns = dict(columns)
         self.path.mkdir(parents=True, exist_ok=True)
-        self._lock = _locked(self.path / LOCK, owner)
+        self._lock = locked(self.path / LOCK, owner)
         self._describe = describe
         try:
             self._open(describe)
@@ -119,6 +120,13 @@ class RowFiles:
             ValueError: it holds another table's files, files without their
                 `table.json`, or misses some of this table's files.
         """
+        if (self.path / SHARDS).exists():
+            found = json.loads((self.path / SHARDS).read_text())
+            raise ValueError(
+                f"{self.owner}: '{self.path}' holds a table on disk split into shards "
+                f"({found}), and this table is whole: its rows would be others. Split it as "
+                "it was (its path in the LayoutMap, over the same devices), or give it "
+                "another folder.")
         file = self.path / "table.json"
         if not file.exists():
             stray = sorted(f for f in layout if (self.path / f).exists())
@@ -294,7 +302,7 @@ class RowFiles:
         return sum(os.stat(self.path / f).st_blocks * 512 for f in self.names[:-1])
 
 
-def _locked(path, owner):
+def locked(path, owner):
     """The open lock file `path`, locked exclusively; a ValueError naming `owner` if another
     holds it."""
     handle = open(path, "a+")

@@ -3,8 +3,8 @@ cache and thread.
 
 Where a `keras.distribution` splits a table on disk by rows over `n` devices
 (its path in the `LayoutMap`, as `sparseopt.distribution.row_sharded` puts
-it), the table is kept as `n` shards: shard `k` holds rows `[k R, (k+1) R)`
-(`R` the rows divided by `n`, rounded up; the last shard may hold fewer) in
+it), the table is kept as `n` shards: shard `k` holds rows
+`[k V // n, (k+1) V // n)` (`V` rows: sizes differ by one row at most) in
 its own folder `<path>/shard-k-of-n` (its own files, snapshots and lock), a
 cache of `cache_rows // n` rows and its own thread beside the step, so the
 shards' writes and evictions run side by side. In one process the host holds
@@ -22,7 +22,7 @@ import os
 
 import numpy as np
 
-from sparseopt.disk import snapshots
+from sparseopt.disk import layout, snapshots
 from sparseopt.disk.table import DiskTable, whole_work_failed
 
 SHARD = "shard-{k}-of-{n}"
@@ -48,22 +48,27 @@ class ShardedDiskTable(DiskTable):
         if not 2 <= count <= rows:
             raise ValueError(f"{self._owner}: a table on disk is split into 2 to {rows} shards "
                              f"(its rows), not {count}.")
-        self.rows_per_shard = -(-rows // count)
+        # Shard k: rows [k V // n, (k+1) V // n) (sizes differ by one row at most).
+        self.starts = np.array([k * rows // count for k in range(count + 1)], np.int64)
         self._closed, self._failed = False, None
         self._in_step = 0.0  # (seconds in its host calls: `health`)
         self.shards = []
+        # The folder: locked while open (as a table's own), and saying it holds this
+        # table in `count` shards (a folder of the table whole, or in another number
+        # of shards, is refused: its rows would not be these).
+        self._lock = layout.claim(settings.path, self._owner, count, self.shape)
         try:
             for k in range(count):
-                start = k * self.rows_per_shard
                 own = dataclasses.replace(
                     settings, path=os.path.join(settings.path, SHARD.format(k=k, n=count)),
                     cache_rows=max(1, settings.cache_rows // count))
                 self.shards.append(DiskTable(
-                    path, (min(self.rows_per_shard, rows - start),) + self.shape[1:], dtype,
-                    initializer, slots, own, first_row=start))
+                    path, (int(self.starts[k + 1] - self.starts[k]),) + self.shape[1:], dtype,
+                    initializer, slots, own, first_row=int(self.starts[k])))
         except BaseException:
             for shard in self.shards:  # (their folders' locks let go)
                 shard.close()
+            self._lock.close()
             raise
 
     @property
@@ -77,10 +82,11 @@ class ShardedDiskTable(DiskTable):
         """`(shard, positions, local ids)` of every shard: where in the flat `ids` its rows
         are, and their rows in it (ids outside the table go to none)."""
         flat = np.asarray(ids, np.int64).reshape(-1)
-        owner = np.where((flat >= 0) & (flat < self.shape[0]), flat // self.rows_per_shard, -1)
+        owner = np.where((flat >= 0) & (flat < self.shape[0]),
+                         np.searchsorted(self.starts, flat, side="right") - 1, -1)
         for k, shard in enumerate(self.shards):
             at = np.flatnonzero(owner == k)
-            yield shard, at, flat[at] - k * self.rows_per_shard
+            yield shard, at, flat[at] - self.starts[k]
 
     # -- from traced code (the host calls `DiskTable`'s traced methods make) --
 
@@ -182,8 +188,9 @@ class ShardedDiskTable(DiskTable):
         for shard in self.shards:  # (each closed, whatever another raised)
             try:
                 shard.close()
-            except OSError as error:
+            except Exception as error:  # noqa: BLE001 (raised once every shard is closed)
                 errors.append(error)
+        self._lock.close()
         if errors:
             raise errors[0]
 
@@ -216,8 +223,17 @@ class ShardedDiskTable(DiskTable):
             for files in staged:
                 snapshots.unstage(files)
             raise
+        # Renamed shard by shard, every shard whatever another raised (rolled forward: a
+        # shard left behind would mix two moments; its copies stay for a load again).
+        errors = []
         for shard, files in zip(self.shards, staged):
-            shard._replace_files(lambda s=shard, f=files: snapshots.commit(s.settings.path, f))
+            try:
+                shard._replace_files(lambda s=shard, f=files: snapshots.commit(s.settings.path,
+                                                                                f))
+            except Exception as error:  # noqa: BLE001 (raised once every shard was tried)
+                errors.append(error)
+        if errors:
+            raise errors[0]
 
     def snapshots(self):
         """The names of the snapshots every shard holds complete, oldest first (a save

@@ -295,7 +295,11 @@ class DiskTable:
             self._settle(in_step=True)  # (its fetch, and the work before it, done)
         fetched = entry is not None and entry.counted
         batch = entry.distinct if fetched else host_ops.distinct(ids, self.shape[0])
-        found = self._recent(batch.ids)
+        if batch.ids.size == 0:  # (no row: nothing read, the last read kept; zeros)
+            found = {n: np.zeros((0,) + self.columns[n].tail, self.files.maps[n].dtype)
+                     for n in names}
+        else:
+            found = self._recent(batch.ids)
         if found is None:
             self._settle(in_step=True)  # (the last write and evictions, applied)
             found = self._step_read(batch.ids, fetched)

@@ -3,10 +3,10 @@ the same tables on disk whole, under the same batch split (tests/test_disk_shard
 
 Usage: python -m tests.jobs.disk_sharded_job FOLDER   (with 4 JAX devices)
 
-Trains `test_disk_tables`' model with tables of 42 rows (row-wise Adagrad, Adam, and
-options that work on every row, Lookahead, an int8 table) (split 11, 11, 11, 9 over 4 devices: uneven) on disk, under `row_sharded` (each
-table kept as 4 shards, each with its own folder, files and cache) and under
-`DataParallel` (the tables whole; the same batch split over the same devices). Checks:
+Trains `test_disk_tables`' model with tables of 42 rows on disk (row-wise Adagrad, Adam,
+options that work on every row, Lookahead, an int8 table) under `row_sharded` (each table
+kept as 4 shards of 10, 11, 10 and 11 rows, each with its own folder, files and cache) and
+under `DataParallel` (the tables whole; the same batch split over the same devices). Checks:
 
 - the shards read the rows the whole tables read before training (rows never written
   drawn as the whole table's, wherever a shard starts);
@@ -15,7 +15,10 @@ table kept as 4 shards, each with its own folder, files and cache) and under
   bit for bit: the compiled steps are the same, and the host calls route ids only;
 - each shard's folder holds its own files; the cache counts add up over the shards;
 - a save (`save_weights`) snapshots every shard; trained further, a load brings every
-  shard back; a file of the split tables refuses to load into the whole ones.
+  shard back; a file of the split tables refuses to load into the whole ones;
+- `BackupAndRestore` backs every shard up and removes every shard's snapshots with its
+  backups; `TableHealth` reports the split tables' times summed over their shards;
+- an open vocabulary split over the devices on disk is refused, naming it.
 
 Prints "shards 4, equal" where all holds (an AssertionError otherwise).
 """
@@ -81,9 +84,9 @@ def main():
     for layer in split_layers:
         table = layer.embeddings
         assert len(table.parts()) == 4, table
-        assert sorted(os.listdir(table.settings.path)) == [
-            f"shard-{k}-of-4" for k in range(4)]
-        assert [p.shape[0] for p in table.parts()] == [11, 11, 11, 9]
+        assert sorted(os.listdir(table.settings.path)) == sorted(
+            [".lock", "shards.json", *(f"shard-{k}-of-4" for k in range(4))])
+        assert [p.shape[0] for p in table.parts()] == [10, 11, 10, 11]
     for w in whole_layers:
         assert len(w.embeddings.parts()) == 1
     _set_heads(split_heads, _heads(whole_heads))
@@ -112,8 +115,8 @@ def main():
     weights = os.path.join(folder, "split.weights.h5")
     with sharded.scope():
         split.save_weights(weights)
-        for layer in split_layers:
-            names = layer.embeddings.snapshots()
+        saved = [layer.embeddings.snapshots() for layer in split_layers]
+        for layer, names in zip(split_layers, saved):
             assert len(names) == 1 and all(
                 p.snapshots() == names for p in layer.embeddings.parts())
         split.fit(x, y, batch_size=16, shuffle=False, verbose=0)
@@ -129,12 +132,22 @@ def main():
     # BackupAndRestore backs every shard up, and removes every shard's snapshots with
     # its backups.
     backups = os.path.join(folder, "backups")
+    # TableHealth reports the split tables' caches and times, summed over their shards.
+    before = [layer.disk_stats() for layer in split_layers]
     with sharded.scope():
-        split.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
-                  callbacks=[sparseopt.callbacks.BackupAndRestore(backups)])
-    for layer in split_layers:
+        history = split.fit(
+            x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+            callbacks=[sparseopt.callbacks.BackupAndRestore(backups),
+                       sparseopt.callbacks.TableHealth(warn=False)]).history
+    for layer, names in zip(split_layers, saved):
         assert layer.embeddings.snapshots() == names, layer.embeddings.snapshots()
         assert all(p.snapshots() == names for p in layer.embeddings.parts())
+    after = [layer.disk_stats() for layer in split_layers]
+    steps = 2 * (x.shape[0] // 16)
+    for key in ("host_ms", "beside_ms"):  # (fit's end reads rows too: not the epochs')
+        total = sum(a[key] - b[key] for a, b in zip(after, before))
+        per_step = history[f"disk_{key}_per_step"]
+        assert abs(sum(per_step) * steps / 2 - total) <= 1e-6 * total and total > 0, key
 
     # An open vocabulary on disk is not split yet: refused, naming it.
     with sharded.scope():
