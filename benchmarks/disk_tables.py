@@ -5,8 +5,6 @@
     python benchmarks/disk_tables.py --rows 20000000 --steps 100
     python benchmarks/disk_tables.py --dtype int8   # int8 tables, on disk and in memory
     python benchmarks/disk_tables.py --vocabulary   # open vocabularies (DynamicEmbedding)
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 KERAS_BACKEND=jax \
-        python benchmarks/disk_tables.py --shards 4   # a table split in 4 shards, and whole
 
 The model: one `SparseEmbedding` (row-wise Adagrad, width 16, `combiner="sum"`
 over 8 ids per example) and a dense head, batch 4,096 (32,768 ids per
@@ -36,7 +34,6 @@ them, "disk" bytes are copies to and from the kernel's pages, not device I/O.
 """
 
 import argparse
-import contextlib
 import json
 import pathlib
 import sys
@@ -130,10 +127,6 @@ def main():
     parser.add_argument("--vocabulary", action="store_true",
                         help="an open vocabulary (DynamicEmbedding) of --rows rows, on disk "
                              "and in memory, instead of a SparseEmbedding")
-    parser.add_argument("--shards", type=int, default=0,
-                        help="JAX, with that many devices: the 5%% cache's table on disk "
-                             "split by rows into that many shards (row_sharded) beside it "
-                             "whole and in memory, all three data parallel over the devices")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     backend = keras.backend.backend()
@@ -154,21 +147,16 @@ def main():
     tables = [("memory", None, None)] + [(f"disk {f:.0%}", f, True) for f in (0.01, 0.05, 0.20)]
     if backend == "jax" and not args.vocabulary:  # (the tables fetched ahead; see above)
         tables.append(("disk 5% in step", 0.05, False))
-    places = {}  # (each table's distribution, where --shards)
-    if args.shards:
-        tables, places = shards_beside_whole(args, backend)
     runs = {name: [] for name, _, _ in tables}
     for _ in range(args.repeats):  # (interleaved: a slow spell of the machine hits all)
         for name, fraction, ahead in tables:
-            where = places.get(name)
-            with where.scope() if where is not None else contextlib.nullcontext():
-                if fraction is None:
-                    runs[name].append(run(args, None, warm, timed))
-                    continue
-                with tempfile.TemporaryDirectory() as folder:
-                    storage = sparseopt.storage.OnDisk(
-                        folder, cache_rows=int(args.rows * fraction), fetch_ahead=ahead)
-                    runs[name].append(run(args, storage, warm, timed))
+            if fraction is None:
+                runs[name].append(run(args, None, warm, timed))
+                continue
+            with tempfile.TemporaryDirectory() as folder:
+                storage = sparseopt.storage.OnDisk(folder, cache_rows=int(args.rows * fraction),
+                                                   fetch_ahead=ahead)
+                runs[name].append(run(args, storage, warm, timed))
     results = []
     for name, fraction, ahead in tables:
         steps = [r["step_ms"] for r in runs[name]]
@@ -177,10 +165,7 @@ def main():
         results.append(row)
         ratio = row["step_ms"] / results[0]["step_ms"]
         label = "in memory" if fraction is None else f"on disk, {fraction:.0%} cache"
-        if args.shards:
-            label = {"memory": "in memory", "disk 5% whole": "on disk, 5% cache, whole"}.get(
-                name, f"on disk, 5% cache, in {args.shards} shards")
-        elif ahead is False:
+        if ahead is False:
             label += ", rows fetched in the step"
         elif ahead and backend == "jax" and not args.vocabulary:
             label += f", {row['fetched_ahead']:.0%} of steps' rows fetched ahead"
@@ -192,33 +177,12 @@ def main():
               f"{', '.join(f'{t:.1f}' for t in steps)} | {stats}", flush=True)
     suffix = f"_{args.dtype}" if args.dtype not in (None, "float32") else ""
     suffix += "_vocabulary" if args.vocabulary else ""
-    suffix += f"_shards{args.shards}" if args.shards else ""
     out = pathlib.Path(args.out or HERE / "results" / f"disk_tables_{backend}{suffix}.json")
     out.write_text(json.dumps({"args": vars(args), "backend": backend,
                                "distinct_per_step": float(distinct), "results": results},
                               indent=1))
     plot(results, f"{kind}, {backend}" + (f", {args.dtype}" if args.dtype else ""),
          out.with_suffix(".png"))
-
-
-def shards_beside_whole(args, backend):
-    """`--shards n`'s tables (in memory, the 5% cache whole, the 5% cache in n shards, its
-    rows fetched in the step) and the distribution each runs under (`{name: distribution}`):
-    the same batch split over the same n devices, the sharded table's rows split over them
-    (`row_sharded`), so only the host side differs between the two tables on disk."""
-    import jax
-
-    if backend != "jax" or args.vocabulary or len(jax.devices()) < args.shards:
-        raise SystemExit(f"--shards {args.shards}: JAX with at least that many devices "
-                         f"(XLA_FLAGS=--xla_force_host_platform_device_count={args.shards} on "
-                         "a CPU), a SparseEmbedding")
-    devices = jax.devices()[:args.shards]
-    mesh = keras.distribution.DeviceMesh((args.shards,), ["batch"], devices)
-    whole = keras.distribution.DataParallel(device_mesh=mesh)
-    split = sparseopt.distribution.row_sharded([r".*/embeddings"], mesh)
-    tables = [("memory", None, None), ("disk 5% whole", 0.05, False),
-              (f"disk 5% in {args.shards} shards", 0.05, False)]
-    return tables, {"memory": whole, "disk 5% whole": whole, tables[2][0]: split}
 
 
 def plot(results, title, path):
