@@ -128,6 +128,10 @@ def test_the_blocks_left_to_reserve_are_numpys_and_the_definitions(ids, row_byte
              else range(i * row_bytes, (i + 1) * row_bytes) for i in ids.tolist()]
     blocks = {b // block_bytes for span in spans for b in span}
     assert mine.tolist() == sorted(b for b in blocks if not reserved[b])
+    if ids.size:  # (a row past the file's blocks is refused, never read past them in C)
+        with pytest.raises(IndexError, match="lie outside a file of"):
+            host_ops.unreserved(ids + reserved.size * block_bytes, row_bytes or 8,
+                                block_bytes, reserved)
 
 
 @settings(max_examples=40, deadline=None)

@@ -93,6 +93,16 @@ def test_a_folder_holds_one_table_whole_or_split_one_way(tmp_path):
     with pytest.raises(ValueError, match="is open already"):
         _table(tmp_path / "s", shards=3)
     split.close()
+    (tmp_path / "s" / "shards.json").write_text("{not json")  # (damaged: still refused)
+    with pytest.raises(ValueError, match="holds a table on disk split into shards .{not "
+                                         "json.* and this table is whole"):
+        _whole(tmp_path / "s")
+    os.remove(tmp_path / "s" / "shards.json")
+    with pytest.raises(ValueError, match=r"holds shards \['shard-0-of-3', 'shard-1-of-3', "
+                                         r"'shard-2-of-3'\] of another split, without its "
+                                         "shards.json; this table is split into 2"):
+        _table(tmp_path / "s", shards=2)
+    _table(tmp_path / "s", shards=3).close()  # (its own shards: its record written again)
     with pytest.raises(ValueError, match="holds a table on disk split into shards .* and "
                                          "this table is whole"):
         _whole(tmp_path / "s")
@@ -168,9 +178,15 @@ def test_a_load_whose_renames_fail_on_one_shard_renames_the_others_and_loads_aga
     monkeypatch.setattr(snapshots, "commit", failing)
     with pytest.raises(OSError, match="Input/output error"):
         table.restore(saved)
-    # Rolled forward: the other shards hold the snapshot, the failed one its own rows.
+    # Rolled forward: the other shards hold the snapshot, the failed one its own rows;
+    # mixed, the table neither trains, nor reads, nor is saved until loaded again.
     got = [part.numpy() for part in table.parts()]
     assert np.all(got[0] == 1.0) and np.all(got[1] == 2.0) and np.all(got[2] == 1.0)
+    for use in (table.snapshot, table.numpy, table.flush,
+                lambda: table._read_host(np.array([0]), ["rows"])):
+        with pytest.raises(RuntimeError, match="a load renamed some of its shards' files and "
+                                               "not others .*Load the save again"):
+            use()
     monkeypatch.undo()
     table.restore(saved)  # (loaded again: every shard the snapshot)
     np.testing.assert_array_equal(table.numpy(), np.full((10, 2), 1.0, np.float32))
@@ -199,3 +215,30 @@ def test_a_split_of_a_table_on_disks_columns_is_refused_with_the_fix(tmp_path):
         with pytest.raises(ValueError, match="splits the columns of its table on disk "
                                              "'t/embeddings'.*Split its rows"):
             layer(keras.ops.zeros((2, 2), "int32"))
+
+
+@pytest.mark.backend_independent
+def test_a_step_reads_only_the_shards_its_ids_are_on(tmp_path):
+    table = _table(tmp_path / "t", shards=3, rows=12)  # (rows 0-3, 4-7, 8-11)
+    ids = np.array([[1, 3, 1, -1, 2]])
+    for _ in range(2):  # (the lookup's read, then the optimizer's of the same rows)
+        got = table._read_host(ids, ["rows"], lookup=True)[0]
+        np.testing.assert_array_equal(got[0, 3], 0.0)
+    counts = [p.health() for p in table.parts()]
+    # Read once through the first shard's cache (the second read served from the
+    # first); the other shards read nothing.
+    assert (counts[0]["hits"], counts[0]["misses"]) == (0, 3)
+    assert all(c["hits"] + c["misses"] == 0 for c in counts[1:])
+
+
+@pytest.mark.backend_independent
+def test_closing_closes_every_shard_and_the_folder_whatever_one_raised(tmp_path):
+    table = _table(tmp_path / "t")
+
+    def broken():
+        raise ValueError("a job beside the step failed")
+
+    table.parts()[0]._background.submit(broken)
+    with pytest.raises(ValueError, match="a job beside the step failed"):
+        table.close()
+    _table(tmp_path / "t").close()  # (every shard's folder and the table's let go)

@@ -23,7 +23,8 @@ and writes a step's rows through it. The modules:
   it, read and written from traced code through the backend's host calls;
 - `sharded.py`: `ShardedDiskTable`, a table split by rows into shards (where a
   distribution splits its rows over devices), each a `DiskTable` of its own
-  folder, files and cache;
+  folder, files and cache; `layout.py`: a split table's folder, locked and
+  recording its split (`shards.json`);
 - `snapshots.py`: what a save holds of a table on disk: sparse, crash-safe
   copies of its files in its folder, which a load copies back.
 

@@ -16,7 +16,8 @@ import json
 import os
 import pathlib
 
-from sparseopt.disk.row_files import LOCK, SHARDS, locked
+from sparseopt.disk.row_files import LOCK, SHARDS, locked, read_shards
+from sparseopt.durable import fsync_path
 
 
 def claim(path, owner, shards, shape):
@@ -44,16 +45,27 @@ def claim(path, owner, shards, shape):
         record = {"shards": int(shards), "shape": [int(d) for d in shape]}
         file = path / SHARDS
         if file.exists():
-            found = json.loads(file.read_text())
+            found = read_shards(file)
             if found != record:
                 raise ValueError(
                     f"{owner}: '{path}' holds a table on disk split as {found}; this table "
                     f"is split as {record}: its shards' rows would be others. Split it as "
                     "it was (the same devices for its rows), or give it another folder.")
         else:
+            # (Shards of this split check themselves, each its own table.json; shards of
+            # another would be left beside new ones, their rows silently not these.)
+            stray = sorted(p.name for p in path.glob("shard-*-of-*")
+                           if not p.name.endswith(f"-of-{int(shards)}"))
+            if stray:
+                raise ValueError(
+                    f"{owner}: '{path}' holds shards {stray} of another split, without its "
+                    f"{SHARDS}; this table is split into {shards}. Split it as it was, give "
+                    "it an empty folder, or restore the folder.")
             tmp = file.with_suffix(".tmp")
             tmp.write_text(json.dumps(record, sort_keys=True))
+            fsync_path(tmp)
             os.replace(tmp, file)
+            fsync_path(path)
     except BaseException:
         lock.close()
         raise

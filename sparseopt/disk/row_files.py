@@ -121,7 +121,7 @@ class RowFiles:
                 `table.json`, or misses some of this table's files.
         """
         if (self.path / SHARDS).exists():
-            found = json.loads((self.path / SHARDS).read_text())
+            found = read_shards(self.path / SHARDS)
             raise ValueError(
                 f"{self.owner}: '{self.path}' holds a table on disk split into shards "
                 f"({found}), and this table is whole: its rows would be others. Split it as "
@@ -300,6 +300,16 @@ class RowFiles:
     def disk_bytes(self):
         """Bytes the files take on disk (their allocated blocks, not their size)."""
         return sum(os.stat(self.path / f).st_blocks * 512 for f in self.names[:-1])
+
+
+def read_shards(file):
+    """What a split table's `shards.json` records (its text where it is no JSON object)."""
+    text = file.read_text()
+    try:
+        found = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return found if isinstance(found, dict) else text
 
 
 def locked(path, owner):

@@ -42,7 +42,7 @@ class ShardedDiskTable(DiskTable):
         # (No files of its own: each shard opens its own folder.)
         self.path, self.name = path, path.split("/")[-1]
         self.shape, self.dtype = tuple(int(d) for d in shape), str(dtype)
-        self.settings, self.int8 = settings, str(dtype) == "int8"
+        self.settings, self.int8, self.first_row = settings, str(dtype) == "int8", 0
         self._owner = f"Table '{path}'"
         count, rows = int(shards), self.shape[0]
         if not 2 <= count <= rows:
@@ -66,9 +66,10 @@ class ShardedDiskTable(DiskTable):
                     path, (int(self.starts[k + 1] - self.starts[k]),) + self.shape[1:], dtype,
                     initializer, slots, own, first_row=int(self.starts[k])))
         except BaseException:
-            for shard in self.shards:  # (their folders' locks let go)
-                shard.close()
-            self._lock.close()
+            try:
+                self._close_shards()  # (their folders' locks let go)
+            finally:
+                self._lock.close()
             raise
 
     @property
@@ -161,6 +162,8 @@ class ShardedDiskTable(DiskTable):
             if not writes:
                 raise ValueError(f"{self._owner}: work said to only read wrote rows.")
             try:
+                for shard, at, local in routes:  # (disk for the whole part first, as whole)
+                    shard.files.reserve(local)
                 for shard, at, local in routes:
                     shard.files.write(local, {n: new[n][at] for n in self.columns})
             except OSError as error:
@@ -173,6 +176,11 @@ class ShardedDiskTable(DiskTable):
 
     def _check_open(self):
         self._check_not_closed()
+        if self._failed is not None:
+            raise RuntimeError(
+                f"{self._owner}: a load renamed some of its shards' files and not others "
+                f"({self._failed}): its shards hold two moments. Load the save again (its "
+                "snapshot is whole) to go on.") from self._failed
         for shard in self.shards:
             shard._check_open()
 
@@ -184,15 +192,22 @@ class ShardedDiskTable(DiskTable):
         if self._closed:
             return
         self._closed = True
-        errors = []
-        for shard in self.shards:  # (each closed, whatever another raised)
-            try:
-                shard.close()
-            except Exception as error:  # noqa: BLE001 (raised once every shard is closed)
-                errors.append(error)
-        self._lock.close()
+        try:
+            errors = self._close_shards()
+        finally:
+            self._lock.close()
         if errors:
             raise errors[0]
+
+    def _close_shards(self):
+        """Closes every shard, whatever another raised; the errors raised."""
+        errors = []
+        for shard in self.shards:
+            try:
+                shard.close()
+            except Exception as error:  # noqa: BLE001 (the caller raises the first)
+                errors.append(error)
+        return errors
 
     def snapshot(self):
         """A snapshot of every shard, of one name (their files as this save sees them)."""
@@ -232,6 +247,8 @@ class ShardedDiskTable(DiskTable):
                                                                                 f))
             except Exception as error:  # noqa: BLE001 (raised once every shard was tried)
                 errors.append(error)
+        # (Mixed, it must neither train nor be saved: `_check_open` refuses until a load.)
+        self._failed = errors[0] if errors else None
         if errors:
             raise errors[0]
 

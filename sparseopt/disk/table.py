@@ -70,7 +70,7 @@ class DiskTable:
     def __init__(self, path, shape, dtype, initializer, slots, settings, first_row=0):
         self.path, self.name = path, path.split("/")[-1]
         self.shape, self.dtype = tuple(int(d) for d in shape), str(dtype)
-        self.settings = settings
+        self.settings, self.first_row = settings, int(first_row)
         owner = f"Table '{path}'"
         drawn = InitialRows(initializer, self.shape[1], owner=owner)
         initial = drawn if not first_row else (lambda ids: drawn(ids + first_row))
