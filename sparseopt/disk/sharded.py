@@ -93,8 +93,8 @@ class ShardedDiskTable(DiskTable):
 
     def _read_host(self, ids, names, lookup=False):
         self._check_open()
-        # (Every shard is called, with no ids too: its lookups' order, its last read and
-        # its batches shown ahead go step by step.)
+        # (Every shard is called, with no ids too: its batches shown ahead go step by
+        # step; with none it reads nothing and keeps its last read.)
         return self._routed(ids, names, lambda shard, local: shard._read_host(local, names,
                                                                                 lookup))
 
