@@ -22,12 +22,13 @@ cache at >= 0.5x the in-memory throughput, i.e. <= 2x its step), the hit
 rate, the bytes read from and written to the files per timed step, and
 where the table's host work went per timed step (`disk_stats()`): in the
 step's host calls, which the step waits for (of which, waiting for the
-thread beside the step), and on that thread, overlapping the steps. On
-JAX, where `fit` can fetch the next step's rows while a step runs, the
-three caches do (`OnDisk(fetch_ahead=True)`), and one more table is beside
-them: the 5% cache with its rows fetched in the step that reads them
+thread beside the step), and on that thread, overlapping the steps. The
+three caches fetch the next step's rows while a step runs
+(`OnDisk(fetch_ahead=True)`), and one more table is beside them: the 5%
+cache with its rows fetched in the step that reads them
 (`fetch_ahead=False`, the default); each run's share of steps whose rows
-were fetched ahead is printed.
+were fetched ahead is printed. (Open vocabularies fetch in the step: their
+rows follow from their map.)
 
 The files are in a temporary folder: on a machine whose page cache holds
 them, "disk" bytes are copies to and from the kernel's pages, not device I/O.
@@ -145,7 +146,7 @@ def main():
           "| beside ms/step |")
     print("|---|---|---|---|---|---|---|---|---|")
     tables = [("memory", None, None)] + [(f"disk {f:.0%}", f, True) for f in (0.01, 0.05, 0.20)]
-    if backend == "jax" and not args.vocabulary:  # (the tables fetched ahead; see above)
+    if not args.vocabulary:  # (the tables fetched ahead; see above)
         tables.append(("disk 5% in step", 0.05, False))
     runs = {name: [] for name, _, _ in tables}
     for _ in range(args.repeats):  # (interleaved: a slow spell of the machine hits all)
@@ -167,7 +168,7 @@ def main():
         label = "in memory" if fraction is None else f"on disk, {fraction:.0%} cache"
         if ahead is False:
             label += ", rows fetched in the step"
-        elif ahead and backend == "jax" and not args.vocabulary:
+        elif ahead and not args.vocabulary:
             label += f", {row['fetched_ahead']:.0%} of steps' rows fetched ahead"
         stats = ("| | | | |" if fraction is None else
                  f"{row['hit_rate']:.3f} | {row['kb_read']:.0f} | {row['kb_written']:.0f} | "

@@ -193,7 +193,7 @@ def training_batch(optimizer):
 
 
 def batches_seen_ahead(model, see):
-    """Makes JAX `fit` of `model` call `see(batch)` on each batch one step before the step
+    """Makes `fit` of `model` call `see(batch)` on each batch one step before the step
     that trains on it (`sparseopt.disk.look_ahead`).
 
     Keras' JAX trainer takes a step's batch inside `model.train_function(state,
@@ -204,8 +204,17 @@ def batches_seen_ahead(model, see):
     taken when a step's is, and handed to that next step), across calls and
     epochs that pass the same iterator. `see` is the latest given.
 
+    Keras' TensorFlow trainer calls `model.train_function(iterator)`: given a
+    `tf.data` iterator it takes the batches inside its compiled function
+    (where no batch can be seen ahead), given any other iterator it takes them
+    in Python and runs its compiled one-step function on each (as for
+    `train_on_batch`). The wrapper hands it the one-batch-ahead reader, so the
+    steps are the same compiled step, fed the same batches from Python. Under a
+    `tf.distribute` strategy (a distributed iterator, whose batches are the
+    replicas') the iterator is passed on as it is: nothing is seen ahead.
+
     Args:
-        model: a Keras model (JAX backend).
+        model: a Keras model (JAX or TensorFlow backend).
         see: a function of one batch (what `next(iterator)` gives).
     """
     model.__dict__["_sparseopt_see_ahead"] = see
@@ -249,10 +258,28 @@ class _AheadCall:
         self._see = functools.partial(_see_ahead, weakref.ref(model))
         self._iterator = self._reader = None
 
-    def __call__(self, state, iterator):
-        if iterator is not self._iterator:
-            self._iterator, self._reader = iterator, _AheadReader(iterator, self._see)
-        return self.function(state, self._reader)
+    def __call__(self, *args):
+        # JAX: `(state, iterator)`; TensorFlow: `(iterator)`.
+        *state, iterator = args
+        if state or not _distributed(iterator):
+            if iterator is not self._iterator:
+                self._iterator, self._reader = iterator, _AheadReader(iterator, self._see)
+            iterator = self._reader
+            if not state and not iterator.has_next():
+                # (Keras' TensorFlow function raises this itself for a tf.data iterator
+                # at its end; for a Python iterator it would run no step and fail.)
+                raise StopIteration
+        return self.function(*state, iterator)
+
+
+def _distributed(iterator):
+    """Whether `iterator` is a `tf.distribute` iterator (TensorFlow, under a strategy)."""
+    if keras.backend.backend() != "tensorflow":
+        return False
+    import tensorflow as tf
+
+    return (isinstance(iterator, tf.distribute.DistributedIterator)
+            and not isinstance(iterator, tf.data.Iterator))
 
 
 def _see_ahead(model_ref, batch):
@@ -282,6 +309,12 @@ class _AheadReader:
 
     def __iter__(self):
         return self
+
+    def has_next(self):
+        """Whether a batch is left (the first is taken, and seen, if none was yet)."""
+        if self._next is None and not self._ended:
+            self._next = self._take()
+        return self._next is not None
 
     def __next__(self):
         if self._next is None:

@@ -1,4 +1,4 @@
-"""The next batch's rows fetched while the current step runs (JAX `fit`).
+"""The next batch's rows fetched while the current step runs (`fit`, JAX and TensorFlow).
 
 A step reads its rows from the table's cache; rows the cache misses are
 read from the files. Fetched in the step, they are on its critical path.
@@ -20,9 +20,12 @@ batch whose ids the table did not foresee (another loop, a layer whose ids
 are not a function of the model's inputs) is read as without look-ahead.
 
 Keras' JAX trainer itself takes one batch ahead on accelerators
-(`_one_batch_ahead_iterator`): the data is consumed as there. Only JAX's
-`fit` is seen ahead (TensorFlow's `fit` takes its batches inside its
-compiled function).
+(`_one_batch_ahead_iterator`): the data is consumed as there. TensorFlow's
+`fit` then takes its batches in Python rather than inside its compiled
+function, and runs the same compiled step on each (`compat.batches_seen_ahead`).
+On TensorFlow the optimizer, and so the tables' look-ahead, is built inside
+the first call's compiled function, whose batches are taken there: the first
+call of the first `fit` reads its rows in the step.
 """
 
 import collections
@@ -142,7 +145,7 @@ class RowsOf:
     before.
 
     Args:
-        model: a functional Keras model (JAX backend).
+        model: a functional Keras model.
         layer: a layer called once in it, on ids.
     """
 
@@ -155,9 +158,7 @@ class RowsOf:
         path = keras.Model(model.input, given)
         if path.weights:
             raise ValueError("the layer's ids come through layers with weights")
-        import jax  # (`install` makes one on JAX only; a step's worth of ids a call)
-
-        self._path = jax.jit(lambda x: path(x, training=False))
+        self._path = _compiled(lambda x: path(x, training=False))
 
     def __call__(self, x):
         """The ids of batch `x` (the model's inputs, as `fit` gives them), as NumPy."""
@@ -172,6 +173,18 @@ class RowsOf:
             return (isinstance(self._struct, dict) and isinstance(x, dict)
                     and sorted(self._struct) == sorted(x))
         return len(keras.tree.flatten(x)) == self._count
+
+
+def _compiled(function):
+    """`function` compiled by the backend (a step's worth of ids a call, the same shapes
+    each step: compiled once, or twice with a last, smaller batch)."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.jit(function)
+    import tensorflow as tf
+
+    return tf.function(function, reduce_retracing=True)
 
 
 def rows_of(model, layer):
@@ -193,13 +206,13 @@ def rows_of(model, layer):
 
 
 def install(model, tables):
-    """Makes JAX `fit` of `model` show each table its next batch's ids one step ahead.
+    """Makes `fit` of `model` show each table its next batch's ids one step ahead.
 
     Args:
         model: the Keras model being trained.
         tables: `[(DiskTable, layer)]`, the tables to fetch ahead and their layers.
     """
-    if keras.backend.backend() != "jax" or model is None:
+    if keras.backend.backend() not in ("jax", "tensorflow") or model is None:
         return
     seen = [(table, path) for table, layer in tables
             if (path := rows_of(model, layer)) is not None]

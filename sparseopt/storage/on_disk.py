@@ -30,10 +30,11 @@ class OnDisk(TableStorage):
             down to whole sets of 8).
         policy: which cached row a full set evicts: `"lru"` (used longest
             ago) or `"lfu"` (used least often since cached).
-        fetch_ahead: whether JAX `fit` brings the next step's rows into the cache
-            while the current step runs (`sparseopt.disk.look_ahead`): it takes
-            each batch from the data one step early, as Keras' JAX trainer does on
-            accelerators. Off by default: on the one machine it was measured on
+        fetch_ahead: whether `fit` (JAX and TensorFlow) brings the next step's rows
+            into the cache while the current step runs (`sparseopt.disk.look_ahead`):
+            it takes each batch from the data one step early, as Keras' JAX trainer
+            does on accelerators (on TensorFlow from its `tf.data` pipeline, in
+            Python, feeding the same compiled step). Off by default: on the one machine it was measured on
             (2 cores, the files in the page cache) it made the step slower. False:
             rows are fetched in the step that reads them. What a step computes is
             the same either way.
