@@ -28,7 +28,10 @@ three caches fetch the next step's rows while a step runs
 cache with its rows fetched in the step that reads them
 (`fetch_ahead=False`, the default); each run's share of steps whose rows
 were fetched ahead is printed. (Open vocabularies fetch in the step: their
-rows follow from their map.)
+rows follow from their map.) On TensorFlow, whose `fit` takes its batches
+in Python where a table fetches ahead, one more run beside them: the table
+in memory with its batches taken so too, and nothing fetched (what taking
+the batches in Python costs alone).
 
 The files are in a temporary folder: on a machine whose page cache holds
 them, "disk" bytes are copies to and from the kernel's pages, not device I/O.
@@ -49,6 +52,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import sparseopt  # noqa: E402
+from sparseopt import compat  # noqa: E402
 from disk_cache import zipf_stream  # noqa: E402  (the same stream as the cache's benchmark)
 
 
@@ -88,10 +92,17 @@ def model(rows, width, storage, dtype=None, ids_per_step=None, vocabulary=False)
     return m, emb
 
 
-def run(args, storage, warm, timed):
-    """One model trained `warm`, then timed on `timed`: its step and cache counts."""
+def run(args, storage, warm, timed, from_python=False):
+    """One model trained `warm`, then timed on `timed`: its step and cache counts.
+
+    Args:
+        from_python: `fit` takes its batches as where tables fetch ahead (in Python, one
+            batch early, on TensorFlow), with nothing to fetch.
+    """
     m, emb = model(args.rows, args.width, storage, args.dtype, args.batch * 8,
                    args.vocabulary)
+    if from_python:
+        compat.batches_seen_ahead(m, lambda batch: None)
     m.fit(warm[0], warm[1], batch_size=args.batch, shuffle=False, verbose=0)
     before = emb.disk_stats()
     t0 = time.perf_counter()
@@ -148,11 +159,13 @@ def main():
     tables = [("memory", None, None)] + [(f"disk {f:.0%}", f, True) for f in (0.01, 0.05, 0.20)]
     if not args.vocabulary:  # (the tables fetched ahead; see above)
         tables.append(("disk 5% in step", 0.05, False))
+        if backend == "tensorflow":
+            tables.append(("memory from Python", None, "python"))
     runs = {name: [] for name, _, _ in tables}
     for _ in range(args.repeats):  # (interleaved: a slow spell of the machine hits all)
         for name, fraction, ahead in tables:
             if fraction is None:
-                runs[name].append(run(args, None, warm, timed))
+                runs[name].append(run(args, None, warm, timed, from_python=bool(ahead)))
                 continue
             with tempfile.TemporaryDirectory() as folder:
                 storage = sparseopt.storage.OnDisk(folder, cache_rows=int(args.rows * fraction),
@@ -166,9 +179,11 @@ def main():
         results.append(row)
         ratio = row["step_ms"] / results[0]["step_ms"]
         label = "in memory" if fraction is None else f"on disk, {fraction:.0%} cache"
+        if fraction is None and ahead:
+            label += ", batches taken in Python as when fetching ahead (nothing fetched)"
         if ahead is False:
             label += ", rows fetched in the step"
-        elif ahead and not args.vocabulary:
+        elif ahead and fraction is not None and not args.vocabulary:
             label += f", {row['fetched_ahead']:.0%} of steps' rows fetched ahead"
         stats = ("| | | | |" if fraction is None else
                  f"{row['hit_rate']:.3f} | {row['kb_read']:.0f} | {row['kb_written']:.0f} | "
@@ -194,13 +209,20 @@ def plot(results, title, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.2))
+    fig, ax = plt.subplots(figsize=(6.6, 3.2))
     names = [r["table"] for r in results]
-    ax.bar(names, [r["step_ms"] for r in results],
-           color=["#4c72b0"] + ["#dd8452"] * 3 + ["#c9a27e"] * (len(results) - 4))
+    disk = [r for r in results if "hit_rate" in r]  # (the tables on disk)
+
+    def color(r):
+        if r not in disk:
+            return "#4c72b0" if r is results[0] else "#8fa8d6"  # (in memory)
+        return "#c9a27e" if r["table"].endswith("in step") else "#dd8452"
+
+    ax.bar(names, [r["step_ms"] for r in results], color=[color(r) for r in results])
+    ax.tick_params(axis="x", labelsize=7, labelrotation=15)
     # Inside each table on disk's bar: the part of its step spent in its host calls.
-    if "host_ms_per_step" in results[-1]:
-        ax.bar(names[1:], [r["host_ms_per_step"] for r in results[1:]], width=0.4,
+    if disk and "host_ms_per_step" in disk[-1]:
+        ax.bar([r["table"] for r in disk], [r["host_ms_per_step"] for r in disk], width=0.4,
                color="#8c564b", label="of which in the table's host calls")
     ax.axhline(2 * results[0]["step_ms"], ls="--", c="k", lw=0.8,
                label="goal: 2x the in-memory step")
@@ -208,7 +230,7 @@ def plot(results, title, path):
     ax.set_ylim(0, 1.35 * max(r["step_ms"] for r in results))  # (room for the legend)
     ax.set_title(f"2M x 16 on disk ({title}): step time and hit rate", fontsize=9)
     rates = ax.twinx()
-    rates.plot(names[1:], [r["hit_rate"] for r in results[1:]], "o-", c="#55a868")
+    rates.plot([r["table"] for r in disk], [r["hit_rate"] for r in disk], "o", c="#55a868")
     rates.set_ylim(0, 1)
     rates.set_ylabel("cache hit rate")
     ax.legend(loc="upper left", fontsize=8)

@@ -211,14 +211,17 @@ def batches_seen_ahead(model, see):
     `train_on_batch`). The wrapper hands it the one-batch-ahead reader, so the
     steps are the same compiled step, fed the same batches from Python. Under a
     `tf.distribute` strategy (a distributed iterator, whose batches are the
-    replicas') the iterator is passed on as it is: nothing is seen ahead.
+    replicas') the iterator is passed on as it is: nothing is seen ahead (a
+    warning says so, once per model).
 
     Args:
         model: a Keras model (JAX or TensorFlow backend).
-        see: a function of one batch (what `next(iterator)` gives).
+        see: a function of one batch (what `next(iterator)` gives), or None: nothing
+            is seen from the next iterator on (a model compiled again without tables
+            to fetch ahead: its iterators are passed on as they are).
     """
     model.__dict__["_sparseopt_see_ahead"] = see
-    if "_sparseopt_make_train_function" in model.__dict__:
+    if see is None or "_sparseopt_make_train_function" in model.__dict__:
         return
     made = type(model).make_train_function.__get__(model)
 
@@ -255,21 +258,46 @@ class _AheadCall:
         # by the step's function, a bound method equal to the next compile's: a trace
         # kept alive by a cycle would be reused for a model whose layers' `trainable`
         # changed, with no variable to tell them apart.)
-        self._see = functools.partial(_see_ahead, weakref.ref(model))
+        self._model = weakref.ref(model)
+        self._see = functools.partial(_see_ahead, self._model)
         self._iterator = self._reader = None
 
     def __call__(self, *args):
         # JAX: `(state, iterator)`; TensorFlow: `(iterator)`.
         *state, iterator = args
-        if state or not _distributed(iterator):
-            if iterator is not self._iterator:
-                self._iterator, self._reader = iterator, _AheadReader(iterator, self._see)
-            iterator = self._reader
-            if not state and not iterator.has_next():
-                # (Keras' TensorFlow function raises this itself for a tf.data iterator
-                # at its end; for a Python iterator it would run no step and fail.)
-                raise StopIteration
-        return self.function(*state, iterator)
+        if iterator is not self._iterator:
+            # A new iterator (a new `fit`, epoch or `train_on_batch`): read ahead while
+            # something is to be seen; an iterator read ahead stays so to its end.
+            self._iterator, self._reader = iterator, self._reader_of(iterator, state)
+        if self._reader is None:
+            return self.function(*state, iterator)
+        reader = self._reader
+        if not state and not reader.has_next():
+            # (Keras' TensorFlow function raises this itself for a tf.data iterator
+            # at its end; for a Python iterator it would run no step and fail.)
+            self._iterator = self._reader = None
+            raise StopIteration
+        result = self.function(*state, reader)
+        if reader.exhausted():
+            self._iterator = self._reader = None  # (nothing of the data kept past its end)
+        return result
+
+    def _reader_of(self, iterator, state):
+        """An `_AheadReader` over a new `iterator`, or None where it is passed on as it is."""
+        model = self._model()
+        if model is None or model.__dict__.get("_sparseopt_see_ahead") is None:
+            return None
+        if not state and _distributed(iterator):
+            if not model.__dict__.get("_sparseopt_told_distributed"):
+                model.__dict__["_sparseopt_told_distributed"] = True
+                import logging
+
+                logging.getLogger("sparseopt").warning(
+                    "Model '%s' trains under a tf.distribute strategy: its tables on disk "
+                    "read their rows in the step (fetch_ahead=True applies to fit without "
+                    "a strategy).", model.name)
+            return None
+        return _AheadReader(iterator, self._see)
 
 
 def _distributed(iterator):
@@ -309,6 +337,10 @@ class _AheadReader:
 
     def __iter__(self):
         return self
+
+    def exhausted(self):
+        """Whether the iterator ended and every batch taken was given."""
+        return self._ended and self._next is None
 
     def has_next(self):
         """Whether a batch is left (the first is taken, and seen, if none was yet)."""

@@ -231,11 +231,12 @@ def test_jax_train_state():
     assert len(state) == 4 and len(state[0]) == 2
 
 
-@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX's fit takes batches so")
-def test_jax_fit_shows_each_batch_one_step_ahead():
-    # Keras' JAX `fit` takes each step's batch in `model.train_function(state, iterator)`,
-    # made by `make_train_function`: seen one step early, trained on in order, across
-    # epochs that share an iterator (`steps_per_epoch`), and after a second `fit`.
+def test_fit_shows_each_batch_one_step_ahead():
+    # Keras' `fit` takes each step's batch in `model.train_function(state, iterator)` on
+    # JAX, `model.train_function(iterator)` on TensorFlow (given a Python iterator, from
+    # Python), made by `make_train_function`: seen one step early, trained on in order,
+    # across epochs that share an iterator (`steps_per_epoch`), and after a second `fit`;
+    # with nothing to see, Keras' own iterator is passed on again.
     model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False)])
     model.compile(optimizer="sgd", loss="mse")
     seen, trained = [], []
@@ -256,6 +257,13 @@ def test_jax_fit_shows_each_batch_one_step_ahead():
     assert seen[6:] == [0, 1]
     model.train_on_batch(x[:1], x[:1])
     assert seen[8:] == [0]
+    compat.batches_seen_ahead(model, None)
+    given = []
+    function = model.train_function.function
+    model.train_function.function = lambda *args: (given.append(args[-1]), function(*args))[1]
+    model.fit(x[:2], x[:2], batch_size=1, shuffle=False, verbose=0)
+    assert len(seen) == 9 and given and not any(
+        type(it).__name__ == "_AheadReader" for it in given)
 
 
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TF's XLA context")

@@ -19,6 +19,7 @@ What it must hold, through `fit` as users train:
 
 import keras
 import numpy as np
+import pytest
 
 import sparseopt
 from sparseopt.storage import OnDisk
@@ -239,6 +240,30 @@ def test_several_steps_a_call_data_of_unknown_length_and_train_on_batch(tmp_path
     assert (stats["hits"], stats["misses"]) == (hits, misses), stats
     assert (stats["steps_fetched_ahead"], stats["missed_at_step"]) == (8 - in_step, first), \
         stats
+
+
+@pytest.mark.skipif(JAX, reason="tf.distribute strategies are TensorFlow's")
+def test_under_a_tf_distribute_strategy_rows_are_read_in_the_step_and_it_says_so(tmp_path,
+                                                                               caplog):
+    # A strategy's iterator gives each replica's batches: it is passed on to Keras as it
+    # is, nothing is fetched ahead, a warning says so; the table trains as in memory.
+    import tensorflow as tf
+
+    batches = [(b[0], b[1][:, :1]) for b in _batches(5, seed=8)]
+    x, y = _joined(batches)
+    through = ("input",)
+    memory, m_layers = _model([None], through)
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        disk, d_layers = _model(_disk(tmp_path, "o", HOLDS_ALL, True)[:1], through)
+    _start_alike(memory, m_layers, disk, d_layers)
+    with caplog.at_level("WARNING", logger="sparseopt"):
+        for model in (memory, disk):
+            model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    assert "trains under a tf.distribute strategy" in caplog.text
+    np.testing.assert_array_equal(_table_values(d_layers[0]), _table_values(m_layers[0]))
+    stats = d_layers[0].disk_stats()
+    assert (stats["steps_fetched_ahead"], stats["missed_at_step"]) == (
+        0, _expected_counts(batches, "input")[1]), stats
 
 
 def test_inputs_given_by_name_to_a_model_of_listed_inputs_are_foreseen(tmp_path):

@@ -176,15 +176,33 @@ class RowsOf:
 
 
 def _compiled(function):
-    """`function` compiled by the backend (a step's worth of ids a call, the same shapes
-    each step: compiled once, or twice with a last, smaller batch)."""
+    """`function` compiled by the backend, run on the host's processor (a step's worth of
+    ids a call, the same shapes each step: compiled once, or twice with a last, smaller
+    batch). On the host, not the default device: its ids are read back before the next
+    step is dispatched, which on an accelerator would wait for the steps queued there."""
     if keras.backend.backend() == "jax":
         import jax
 
-        return jax.jit(function)
+        compiled = jax.jit(function)
+        try:
+            cpu = jax.devices("cpu")[0]
+        except RuntimeError:  # (JAX started without its CPU platform)
+            return compiled
+
+        def on_cpu(x):
+            with jax.default_device(cpu):
+                return compiled(x)
+
+        return on_cpu
     import tensorflow as tf
 
-    return tf.function(function, reduce_retracing=True)
+    compiled = tf.function(function, reduce_retracing=True)
+
+    def on_cpu(x):
+        with tf.device("/CPU:0"):
+            return compiled(x)
+
+    return on_cpu
 
 
 def rows_of(model, layer):
@@ -216,8 +234,9 @@ def install(model, tables):
         return
     seen = [(table, path) for table, layer in tables
             if (path := rows_of(model, layer)) is not None]
-    if seen:
-        compat.batches_seen_ahead(model, _Foresee(seen))
+    # (None: a model compiled again without tables to fetch ahead lets its last ones go,
+    # and Keras' own loop takes its batches again.)
+    compat.batches_seen_ahead(model, _Foresee(seen) if seen else None)
 
 
 class _Foresee:
