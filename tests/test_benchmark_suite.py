@@ -229,6 +229,19 @@ def _tiny_run(tmp_path, script, *args):
 
 
 @pytest.mark.jax_session  # (JAX children, once: in the JAX session, which has time)
+def test_disk_snapshots_benchmark_saves_incrementally_beside_whole(tmp_path):
+    """A tiny run of benchmarks/disk_snapshots.py: a first save, whole, then saves after
+    more steps, incremental, each beside the same files whole, both loaded back."""
+    results, stdout = _tiny_run(tmp_path, "disk_snapshots", "--rows", "200000", "--batch",
+                                "512", "--first", "5", "--between", "1", "3")
+    assert [r["kind"] for r in results] == ["first save (whole)", "incremental",
+                                            "incremental"]
+    assert all(r["mb"] < r["whole_mb"] and r["chain"] == 2 for r in results[1:]), results
+    assert all(r["load_s"] > 0 and r["whole_load_s"] > 0 for r in results[1:])
+    assert (tmp_path / "disk_snapshots.png").exists() and "incremental / whole" in stdout
+
+
+@pytest.mark.jax_session  # (JAX children, once: in the JAX session, which has time)
 def test_disk_cache_benchmark_runs_and_hit_rates_grow_with_the_cache(tmp_path):
     """A tiny run of benchmarks/disk_cache.py: every cache size measured beside memory, the
     NumPy cache beside the native one (which evict alike: the script checks it)."""

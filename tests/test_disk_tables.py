@@ -939,11 +939,11 @@ def test_a_save_that_dies_midway_leaves_the_last_snapshot_whole(tmp_path, monkey
     copy = snapshots.copy_sparse
     copied = []
 
-    def dies(src, dst):  # (the process dies after the first file)
+    def dies(src, dst, *args, **kwargs):  # (the process dies after the first file)
         if copied:
             raise KeyboardInterrupt("killed")
         copied.append(src)
-        copy(src, dst)
+        copy(src, dst, *args, **kwargs)
 
     monkeypatch.setattr(snapshots, "copy_sparse", dies)
     with pytest.raises(KeyboardInterrupt):

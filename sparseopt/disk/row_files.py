@@ -105,9 +105,11 @@ class RowFiles:
                 for file, (shape, dtype) in layout.items()}
         self.written = maps.pop(WRITTEN)
         self.maps = {name: maps[f"{name}.bin"] for name in self.columns}
-        # Per file, its blocks reserved on disk in this process.
+        # Per file, its blocks reserved on disk in this process, and those written since
+        # `forget_changes` (what an incremental snapshot holds: `changes`).
         self._reserved = {file: np.zeros((-(-array.nbytes // RESERVE_BYTES),), bool)
                           for file, array in self._files()}
+        self._changed = {file: np.zeros_like(blocks) for file, blocks in self._reserved.items()}
         self._inode = os.stat(self.path / WRITTEN).st_ino
         # Rows read from the files (never-written rows are drawn, not read) and written.
         self.rows_read = self.rows_written = 0
@@ -222,9 +224,12 @@ class RowFiles:
     def reserve(self, ids):
         """Reserves disk for rows `ids` (int64, in the table): the blocks of
         `RESERVE_BYTES` of each file that hold them, where this process has not yet.
+        Every write into the files reserves its rows first (the cache's, as it makes
+        them dirty, and `write`'s), so their blocks are also marked written here
+        (`changes`).
 
         Raises:
-            OSError: the disk has no room (naming the table).
+            OSError: the disk has no room (naming the table); nothing is marked.
         """
         ids = np.asarray(ids, np.int64)
         if ids.size == 0:
@@ -236,6 +241,21 @@ class RowFiles:
             if blocks.size:
                 self._fallocate(file, blocks, array.nbytes)
                 reserved[blocks] = True
+        for file, array in self._files():
+            changed = self._changed[file]
+            row_bytes = 0 if file == WRITTEN else host_ops.row_bytes(array)
+            changed[host_ops.unreserved(ids, row_bytes, RESERVE_BYTES, changed)] = True
+
+    def changes(self):
+        """`{file: int64 sorted block numbers}`: the blocks of `RESERVE_BYTES` (pages) of
+        each file written since the files were opened or `forget_changes` was called
+        (every column's and the written-rows bitmap's; `table.json` never changes)."""
+        return {file: np.flatnonzero(changed) for file, changed in self._changed.items()}
+
+    def forget_changes(self):
+        """Starts `changes` afresh (a snapshot of the files as they are was taken)."""
+        for changed in self._changed.values():
+            changed[:] = False
 
     def _files(self):
         """`(file name, its map)` of every column and of the written-rows bitmap."""

@@ -244,7 +244,8 @@ class ShardedDiskTable(DiskTable):
         for shard, files in zip(self.shards, staged):
             try:
                 shard._replace_files(lambda s=shard, f=files: snapshots.commit(s.settings.path,
-                                                                                f))
+                                                                                f),
+                                     loaded=snapshot)
             except Exception as error:  # noqa: BLE001 (raised once every shard was tried)
                 errors.append(error)
         # (Mixed, it must neither train nor be saved: `_check_open` refuses until a load.)

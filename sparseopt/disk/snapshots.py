@@ -24,6 +24,21 @@ Files are copied sparsely (only the blocks that hold data: `SEEK_DATA` /
 `SEEK_HOLE`, Linux), so a snapshot costs the table's written rows, not its
 size.
 
+Incremental (`take(base=...)`): where the table knows every page of its
+files written since its last snapshot (`RowFiles.changes`: since that
+snapshot was taken or loaded, in this process), the next snapshot holds only
+those pages of each file (at their places in a sparse file, their numbers
+beside it in `<file>.pages`) and names the snapshot it builds on (`base` in
+`complete.json`). A load copies the chain's first snapshot, which is whole,
+then each later one's pages over it, oldest first. A chain stops growing
+where its pages would take more than its whole first snapshot (`delta_base`):
+the next snapshot is whole again, so a load copies at most about twice a
+whole snapshot.
+
+Removing (`remove`, `remove_named`) marks a snapshot released: no longer
+listed or loadable, and deleted as soon as no snapshot kept builds on it
+(`collect`: renamed away first, so a crash never leaves half of one listed).
+
 `restore` checks the snapshot (complete, this table's, every file at its
 recorded size), copies every file beside the live ones under hidden names,
 then renames them over the live files. A failure before the renames leaves
@@ -37,11 +52,19 @@ import os
 import pathlib
 import shutil
 
+import numpy as np
+
+from sparseopt.disk.row_files import RESERVE_BYTES
 from sparseopt.durable import fsync_path
 
 FOLDER = "snapshots"
 COMPLETE = "complete.json"
 LAST = "last-number"  # (in FOLDER) the highest number ever taken
+RELEASED = "released"  # (in a snapshot's folder) removed, kept while others build on it
+PAGES = ".pages"  # (suffix) the pages an incremental snapshot holds of a file, int64
+# The unit of an incremental snapshot: the blocks `RowFiles` marks written (a page);
+# recorded in each such snapshot, which a load follows.
+PAGE_BYTES = RESERVE_BYTES
 _PARTIAL = ".partial-"
 
 
@@ -53,7 +76,7 @@ def next_number(path):
     return max([int(n) for n in listed(path)] + [last]) + 1
 
 
-def take(path, names, at_least=1):
+def take(path, names, at_least=1, base=None, changed=None):
     """Copies the table's files `names` in folder `path` into a new snapshot; its name.
 
     Args:
@@ -62,6 +85,11 @@ def take(path, names, at_least=1):
         at_least: the lowest number to give it (a table split in shards gives
             each shard's snapshot of one save the same name: the highest of
             their `next_number`s).
+        base: a complete snapshot such that the files differ from it only in
+            the pages `changed` lists: the new one then holds only those (an
+            incremental snapshot). None: every file whole.
+        changed: `{file: int64 sorted page numbers}` (pages of `PAGE_BYTES`)
+            written since `base`; a file not in it is copied whole.
     """
     path = pathlib.Path(path)
     root = path / FOLDER
@@ -84,10 +112,18 @@ def take(path, names, at_least=1):
     os.replace(tmp, root / LAST)
     partial = root / (_PARTIAL + snapshot)
     partial.mkdir()
+    deltas = sorted(set(changed or ()) & set(names)) if base is not None else []
     for name in names:
-        copy_sparse(path / name, partial / name)
+        pages = changed[name] if name in deltas else None
+        copy_sparse(path / name, partial / name, pages)
+        if pages is not None:
+            np.ascontiguousarray(pages, "<i8").tofile(partial / (name + PAGES))
+            fsync_path(partial / (name + PAGES))
     sizes = {name: (partial / name).stat().st_size for name in names}
-    (partial / COMPLETE).write_text(json.dumps({"files": sizes}, sort_keys=True))
+    record = {"files": sizes, "base": base if deltas else None, "deltas": deltas,
+              "page_bytes": PAGE_BYTES,
+              "bytes": sum(f.stat().st_blocks * 512 for f in partial.iterdir())}
+    (partial / COMPLETE).write_text(json.dumps(record, sort_keys=True))
     fsync_path(partial / COMPLETE)
     fsync_path(partial)
     os.replace(partial, root / snapshot)
@@ -119,12 +155,18 @@ def stage(path, snapshot, names, owner):
         path, snapshot, names, owner: as for `restore`.
     """
     path = pathlib.Path(path)
-    check(path, snapshot, names, owner)
-    folder = path / FOLDER / str(snapshot)
+    links = check(path, snapshot, names, owner)
     staged = {name: path / (_PARTIAL + name) for name in names}
     try:
-        for name in names:
-            copy_sparse(folder / name, staged[name])
+        # The chain's first snapshot (whole), then each later one's pages over it (a
+        # file a snapshot holds whole, e.g. `table.json`, replaces what was copied).
+        for folder, record in reversed(links):
+            for name in names:
+                if name in record["deltas"]:
+                    copy_sparse(folder / name, staged[name], _pages(folder, name),
+                                over=True, page_bytes=record["page_bytes"])
+                else:
+                    copy_sparse(folder / name, staged[name])
     except BaseException:
         unstage(staged)
         raise
@@ -148,25 +190,81 @@ def commit(path, staged):
 
 def check(path, snapshot, names, owner):
     """Raises a ValueError naming `owner` unless snapshot `snapshot` of the table in folder
-    `path` is complete, whole, and of this table's files (as `restore` checks first).
+    `path`, and each snapshot it builds on, is complete, whole, and of this table's files
+    (as `restore` checks first); else `[(folder, record)]` of the chain, `snapshot`'s first.
 
     Args:
         path, snapshot, names, owner: as for `restore`.
     """
     path = pathlib.Path(path)
-    folder = path / FOLDER / str(snapshot)
     where = f"{owner}: the file being loaded holds its rows in snapshot '{snapshot}' of '{path}'"
-    if str(snapshot).startswith(_PARTIAL) or not (folder / COMPLETE).exists():
-        raise ValueError(
-            f"{where}, which is {'incomplete' if folder.exists() else 'missing'}. Load a "
-            "file saved with this table's folder in place, or restore the folder.")
-    sizes = json.loads((folder / COMPLETE).read_text())["files"]
+    folder = path / FOLDER / str(snapshot)
+    if (folder / RELEASED).exists():  # (removed; kept only for the snapshots after it)
+        raise ValueError(f"{where}, which is missing (removed). Load a file whose snapshot "
+                         "was kept.")
+    links, name = [], str(snapshot)
+    while name is not None:
+        folder = path / FOLDER / name
+        if name.startswith(_PARTIAL) or not (folder / COMPLETE).exists():
+            state = "incomplete" if folder.exists() else "missing"
+            what = (f"which is {state}" if not links else
+                    f"which builds on snapshot '{name}', {state}")
+            raise ValueError(f"{where}, {what}. Load a file saved with this table's folder "
+                             "in place, or restore the folder.")
+        record = json.loads((folder / COMPLETE).read_text())
+        record.setdefault("deltas", [])
+        _check_files(where, folder, record, names)
+        if (folder / "table.json").read_text() != (path / "table.json").read_text():
+            raise ValueError(f"{where}, which holds another table's files than this "
+                             "layer's.")
+        links.append((folder, record))
+        name = record.get("base")
+    return links
+
+
+def _check_files(where, folder, record, names):
+    """Raises a ValueError unless every file of `names` is in snapshot `folder` at its size,
+    and the pages of each file held in part are listed."""
+    sizes = record["files"]
     for name in names:
         file = folder / name
         if sizes.get(name) is None or not file.exists() or file.stat().st_size != sizes[name]:
             raise ValueError(f"{where}, whose '{name}' is missing or damaged.")
-    if (folder / "table.json").read_text() != (path / "table.json").read_text():
-        raise ValueError(f"{where}, which holds another table's files than this layer's.")
+        if name in record["deltas"]:
+            pages = folder / (name + PAGES)
+            if (not pages.exists() or pages.stat().st_size % 8
+                    or not isinstance(record.get("page_bytes"), int)):
+                raise ValueError(f"{where}, whose '{name}' is missing or damaged (its list "
+                                 "of pages).")
+
+
+def _pages(folder, name):
+    """The page numbers an incremental snapshot holds of file `name`."""
+    return np.fromfile(folder / (name + PAGES), "<i8")
+
+
+def delta_base(path, base, pages):
+    """`base` if the next snapshot of the table in folder `path` may build on it, holding
+    `pages` pages more: it is complete, and its chain's pages with these stay within its
+    first (whole) snapshot's bytes; else None (the next snapshot is whole).
+
+    Args:
+        path: the table's folder.
+        base: the snapshot its files were last taken in or loaded from (or None).
+        pages: how many pages the next one would hold.
+    """
+    if base is None:
+        return None
+    root, added, name = pathlib.Path(path) / FOLDER, pages * PAGE_BYTES, str(base)
+    while True:
+        try:
+            record = json.loads((root / name / COMPLETE).read_text())
+        except (OSError, ValueError):
+            return None  # (gone, or damaged: a whole one)
+        if record.get("base") is None:
+            return str(base) if added <= record.get("bytes", 0) else None
+        added += record.get("bytes", 0)
+        name = record["base"]
 
 
 def listed(path):
@@ -175,6 +273,12 @@ def listed(path):
     Args:
         path: the table's folder.
     """
+    return [name for name in _complete(path)
+            if not (pathlib.Path(path) / FOLDER / name / RELEASED).exists()]
+
+
+def _complete(path):
+    """Every complete snapshot in folder `path`, released ones too, oldest first."""
     root = pathlib.Path(path) / FOLDER
     if not root.exists():
         return []
@@ -195,7 +299,8 @@ def remove(path, keep):
     names = listed(path)
     old = names[:max(len(names) - int(keep), 0)]
     for name in old:
-        shutil.rmtree(pathlib.Path(path) / FOLDER / name)
+        _release(pathlib.Path(path) / FOLDER / name)
+    collect(path)
     return old
 
 
@@ -210,22 +315,72 @@ def remove_named(path, names):
     removed = []
     for name in names:
         folder = pathlib.Path(path) / FOLDER / str(name)
-        if folder.is_dir() and not folder.name.startswith(_PARTIAL):
-            shutil.rmtree(folder)
+        if (folder.is_dir() and not folder.name.startswith(_PARTIAL)
+                and not (folder / RELEASED).exists()):
+            _release(folder)
             removed.append(str(name))
+    collect(path)
     return removed
 
 
-def copy_sparse(src, dst):
+def _release(folder):
+    """Marks snapshot `folder` removed (durably: a crash never lists it again)."""
+    (folder / RELEASED).touch()
+    fsync_path(folder / RELEASED)
+    fsync_path(folder)
+
+
+def collect(path):
+    """Deletes the released snapshots in folder `path` that no snapshot kept builds on.
+
+    Each is renamed to a hidden name before it is deleted: a crash midway leaves
+    no part of one listed (the next `take` deletes what is left).
+    """
+    root = pathlib.Path(path) / FOLDER
+    every = _complete(path)
+    needed = set()
+    for name in every:
+        if (root / name / RELEASED).exists():
+            continue
+        while name is not None and name not in needed:
+            needed.add(name)
+            try:
+                name = json.loads((root / name / COMPLETE).read_text()).get("base")
+            except (OSError, ValueError):
+                name = None
+    for name in every:
+        if name not in needed and (root / name / RELEASED).exists():
+            gone = root / f"{_PARTIAL}{name}-removed"
+            os.replace(root / name, gone)
+            shutil.rmtree(gone)
+    if every:
+        fsync_path(root)
+
+
+def copy_sparse(src, dst, pages=None, over=False, page_bytes=PAGE_BYTES):
     """Copies file `src` to `dst` (created or replaced, then synced), holes left holes.
 
     Args:
         src: the file to copy.
         dst: where (replaced if it exists).
+        pages: int64 sorted page numbers (of `PAGE_BYTES`): only those pages are
+            copied, each to its place (None: the whole file).
+        over: write the pages over `dst` as it is (it exists, of `src`'s size),
+            rather than into a new file.
+        page_bytes: the bytes of a page.
     """
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
+    with open(src, "rb") as fin, open(dst, "r+b" if over else "wb") as fout:
         size = os.fstat(fin.fileno()).st_size
-        fout.truncate(size)
+        if not over:
+            fout.truncate(size)
+        if pages is not None:
+            for start, stop in _runs(pages):
+                begin = start * page_bytes
+                _copy_range(fin.fileno(), fout.fileno(), begin,
+                            min(stop * page_bytes, size) - begin)
+            fout.flush()
+            os.fsync(fout.fileno())
+            return
         offset = 0
         while offset < size:
             try:
@@ -239,6 +394,17 @@ def copy_sparse(src, dst):
             offset = end
         fout.flush()
         os.fsync(fout.fileno())
+
+
+def _runs(pages):
+    """`[(start, stop)]`: runs of consecutive page numbers in sorted `pages`."""
+    pages = np.asarray(pages, np.int64)
+    if pages.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+    starts = np.concatenate([pages[:1], pages[breaks]])
+    stops = np.concatenate([pages[breaks - 1], pages[-1:]]) + 1
+    return list(zip(starts.tolist(), stops.tolist()))
 
 
 def _copy_range(fin, fout, offset, length):

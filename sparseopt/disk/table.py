@@ -104,6 +104,9 @@ class DiskTable:
         # Seconds the step's host calls took, and of those, waiting for the thread
         # beside the step (`health`: where a step on disk spends its time).
         self._in_step = self._waited = 0.0
+        # The snapshot the files were last taken in or loaded from, in this process: the
+        # next one holds only the pages written since (`snapshots.take(base=...)`).
+        self._base = None
         self._open()
 
     def _open(self):
@@ -556,7 +559,9 @@ class DiskTable:
 
     def snapshot(self, at_least=1):
         """Writes the cache's rows to the files, then copies the files into a new snapshot
-        (`sparseopt.disk.snapshots.take`); its name. What a save of the table holds.
+        (`sparseopt.disk.snapshots.take`); its name. What a save of the table holds. After
+        a snapshot taken or loaded in this process, only the pages written since are
+        copied (an incremental snapshot), while its chain stays within its first's bytes.
 
         Args:
             at_least: the lowest number to name it by (`snapshots.take`).
@@ -565,7 +570,15 @@ class DiskTable:
         self._settle()
         with self.cache.lock:
             self.cache.flush()
-            return snapshots.take(self.settings.path, self.files.names, at_least)
+            changed = self.files.changes()
+            base = snapshots.delta_base(self.settings.path, self._base,
+                                        sum(int(p.size) for p in changed.values()))
+            name = snapshots.take(self.settings.path, self.files.names, at_least, base=base,
+                                  changed=changed)
+            # (No write ran meanwhile: the table's lock is held, its thread settled.)
+            self.files.forget_changes()
+            self._base = name
+            return name
 
     def restore(self, snapshot):
         """Makes the table what snapshot `snapshot` holds (its files copied back, the cache
@@ -580,7 +593,8 @@ class DiskTable:
         self._check_not_closed()  # (a table lacking a step's rows may load: that mends it)
         self._before_restore()
         self._replace_files(lambda: snapshots.restore(self.settings.path, snapshot,
-                                                      self.files.names, self._owner))
+                                                      self.files.names, self._owner),
+                            loaded=snapshot)
 
     def _before_restore(self):
         """Before its files are replaced: the thread beside the step settled (its failure
@@ -593,13 +607,20 @@ class DiskTable:
         with self.cache.lock:
             self.cache.flush()
 
-    def _replace_files(self, replace):
+    def _replace_files(self, replace, loaded=None):
         """`replace()` puts other files in the folder; the table then maps them, with a
-        new, empty cache (the old one's rows were the table's before)."""
+        new, empty cache (the old one's rows were the table's before).
+
+        Args:
+            replace: the function that replaces the files.
+            loaded: the snapshot whose files they are, where `replace()` returns.
+        """
         with self.cache.lock:
+            self._base = None  # (until they are known to be a snapshot's)
             try:
                 replace()
                 self._failed = None  # (what a failed write lost is replaced)
+                self._base = loaded
             finally:
                 # Whatever happened, the maps follow the files there now (a restore
                 # that failed before its renames left them as they were) and the lock
@@ -617,7 +638,8 @@ class DiskTable:
 
     def remove_snapshots(self, keep):
         """Removes all but the `keep` newest snapshots (files that refer to the others can
-        then no longer be loaded); the names removed.
+        then no longer be loaded); the names removed. One that a kept snapshot builds on
+        (an incremental one's chain) stays on disk, unlisted, until none does.
 
         Args:
             keep: how many of the newest to keep.

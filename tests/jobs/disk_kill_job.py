@@ -45,11 +45,11 @@ def main():
         files, copies = len(layer.embeddings.files.names), []
         copy = snapshots.copy_sparse
 
-        def copy_then_die(src, dst):
+        def copy_then_die(src, dst, *args, **kwargs):
             copies.append(src)
-            if len(copies) == files + 2:  # the second backup's second file
+            if len(copies) == files + 2:  # the second backup's second file (its pages)
                 die()
-            copy(src, dst)
+            copy(src, dst, *args, **kwargs)
         snapshots.copy_sparse = copy_then_die
     elif mode == "drain":
         assert isinstance(layer.embeddings.cache, NativeRowCache)

@@ -1,0 +1,183 @@
+"""Incremental snapshots of tables on disk (`sparseopt.disk.snapshots`).
+
+What must hold, through `fit` and `save_weights` / `load_weights` as users
+save and load:
+
+- a save after a save (or a load) in the same process holds only the pages
+  of the files written between (an incremental snapshot, building on the
+  one before); a load of it brings back the table and its per-row state bit
+  for bit as they were at that save, whatever was trained after (compared
+  with the values read from the table at the save, not with the files);
+- a chain stops growing where its pages would outweigh its first, whole
+  snapshot: the next one is whole;
+- removing snapshots never breaks one kept: what a kept one builds on stays
+  on disk (unlisted, not loadable) until nothing kept builds on it;
+- a save that dies midway leaves no snapshot, and the next save still holds
+  every page written since the last complete one;
+- a load whose chain lacks a snapshot is an error naming the table and that
+  snapshot, and leaves the table as it was.
+"""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+
+import sparseopt
+from sparseopt.disk import snapshots
+from sparseopt.storage import OnDisk
+
+# 4,096 rows of 16 float32 (64 rows a 4 KiB page of the rows' file), row-wise Adagrad.
+ROWS, WIDTH = 4096, 16
+
+
+def _model(folder):
+    keras.utils.set_random_seed(5)
+    ids = keras.Input((2,), dtype="int32")
+    layer = sparseopt.layers.SparseEmbedding(
+        ROWS, WIDTH, sparseopt.updaters.RowwiseAdagrad(0.1), name="t",
+        storage=OnDisk(str(folder), cache_rows=64),
+        embeddings_initializer=keras.initializers.RandomUniform(-0.1, 0.1, seed=1))
+    out = keras.layers.Dense(1)(keras.layers.Flatten()(layer(ids)))
+    model = keras.Model(ids, out)
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam(0.01)),
+                  loss="mse")
+    return model, layer
+
+
+def _fit(model, low, high, seed, steps=6):
+    """Trains `steps` steps of 16 examples on ids in `[low, high)`."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(low, high, (16 * steps, 2)).astype("int32")
+    y = rng.normal(size=(16 * steps, 1)).astype("float32")
+    model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+
+
+def _values(layer):
+    """Every column of the table (rows and per-row state) as it reads now."""
+    return {name: layer.embeddings.numpy(name).copy() for name in layer.embeddings.columns}
+
+
+def _record(folder, name):
+    return json.loads((folder / "snapshots" / name / "complete.json").read_text())
+
+
+def _assert_equal(got, want):
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_a_save_after_a_save_holds_the_pages_written_between_and_loads_bit_for_bit(tmp_path):
+    folder = tmp_path / "t"
+    model, layer = _model(folder)
+    _fit(model, 0, ROWS, seed=0, steps=40)  # (rows all over the table)
+    model.save_weights(tmp_path / "a.weights.h5")
+    at_a = _values(layer)
+    _fit(model, 0, 128, seed=1)  # rows 0-127 only: pages 0 and 1 of the rows' file
+    model.save_weights(tmp_path / "b.weights.h5")
+    at_b = _values(layer)
+    a, b = layer.embeddings.snapshots()
+    whole, delta = _record(folder, a), _record(folder, b)
+    assert whole["base"] is None and delta["base"] == a
+    assert "rows.bin" in delta["deltas"]
+    pages = np.fromfile(folder / "snapshots" / b / "rows.bin.pages", "<i8")
+    assert set(pages.tolist()) <= {0, 1}, pages
+    assert delta["bytes"] * 4 < whole["bytes"], (delta["bytes"], whole["bytes"])
+
+    _fit(model, 0, ROWS, seed=2)  # (the table moves on)
+    model.load_weights(tmp_path / "b.weights.h5")
+    _assert_equal(_values(layer), at_b)
+    model.load_weights(tmp_path / "a.weights.h5")
+    _assert_equal(_values(layer), at_a)
+    # A save after a load builds on what was loaded.
+    _fit(model, 256, 320, seed=3)
+    model.save_weights(tmp_path / "c.weights.h5")
+    at_c = _values(layer)
+    c = layer.embeddings.snapshots()[-1]
+    assert _record(folder, c)["base"] == a
+    _fit(model, 0, ROWS, seed=4)
+    model.load_weights(tmp_path / "c.weights.h5")
+    _assert_equal(_values(layer), at_c)
+
+
+def test_chains_end_whole_and_what_a_kept_snapshot_builds_on_stays(tmp_path):
+    folder = tmp_path / "t"
+    model, layer = _model(folder)
+    saved = {}
+    for k in range(4):  # each time rows all over the table: pages as many as a whole one
+        _fit(model, 0, ROWS, seed=10 + k, steps=40)
+        model.save_weights(tmp_path / f"{k}.weights.h5")
+        saved[layer.embeddings.snapshots()[-1]] = (k, _values(layer))
+    names = layer.embeddings.snapshots()
+    bases = [_record(folder, n)["base"] for n in names]
+    assert bases[0] is None and None in bases[1:], bases  # (a chain ended: whole again)
+    assert any(b is not None for b in bases), bases  # (and one built on the one before)
+
+    newest = names[-1]
+    kept_chain = set()
+    name = newest
+    while name is not None:
+        kept_chain.add(name)
+        name = _record(folder, name)["base"]
+    assert layer.embeddings.remove_snapshots(keep=1) == names[:-1]
+    assert layer.embeddings.snapshots() == [newest]
+    on_disk = {p.name for p in (folder / "snapshots").iterdir() if p.is_dir()}
+    assert on_disk == kept_chain, (on_disk, kept_chain)  # (the rest deleted)
+    for name in kept_chain - {newest}:  # (kept for the newest, not loadable themselves)
+        k, _ = saved[name]
+        with pytest.raises(ValueError, match=f"'t/embeddings'.*'{name}'.*missing"):
+            model.load_weights(tmp_path / f"{k}.weights.h5")
+    k, values = saved[newest]
+    model.load_weights(tmp_path / f"{k}.weights.h5")
+    _assert_equal(_values(layer), values)
+    layer.embeddings.remove_snapshots(keep=0)
+    assert not [p for p in (folder / "snapshots").iterdir() if p.is_dir()]
+
+
+def test_a_save_that_dies_midway_then_a_save_holds_every_page_since_the_last(tmp_path,
+                                                                             monkeypatch):
+    folder = tmp_path / "t"
+    model, layer = _model(folder)
+    _fit(model, 0, ROWS, seed=20, steps=40)
+    model.save_weights(tmp_path / "a.weights.h5")
+    _fit(model, 0, 64, seed=21)  # page 0 of the rows' file
+    copy = snapshots.copy_sparse
+
+    def dies(src, dst, *args, **kwargs):
+        if "rows.bin" in str(src):
+            raise KeyboardInterrupt("killed")
+        copy(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(snapshots, "copy_sparse", dies)
+    with pytest.raises(KeyboardInterrupt):
+        model.save_weights(tmp_path / "b.weights.h5")
+    monkeypatch.setattr(snapshots, "copy_sparse", copy)
+    assert len(layer.embeddings.snapshots()) == 1
+    _fit(model, 128, 192, seed=22)  # page 2
+    model.save_weights(tmp_path / "c.weights.h5")
+    at_c = _values(layer)
+    c = layer.embeddings.snapshots()[-1]
+    pages = np.fromfile(folder / "snapshots" / c / "rows.bin.pages", "<i8")
+    assert {0, 2} <= set(pages.tolist()), pages  # (the first pages' rows not lost)
+    _fit(model, 0, ROWS, seed=23)
+    model.load_weights(tmp_path / "c.weights.h5")
+    _assert_equal(_values(layer), at_c)
+
+
+def test_a_load_whose_chain_lacks_a_snapshot_names_it_and_changes_nothing(tmp_path):
+    folder = tmp_path / "t"
+    model, layer = _model(folder)
+    _fit(model, 0, ROWS, seed=30, steps=40)
+    model.save_weights(tmp_path / "a.weights.h5")
+    _fit(model, 0, 64, seed=31)
+    model.save_weights(tmp_path / "b.weights.h5")
+    a, b = layer.embeddings.snapshots()
+    assert _record(folder, b)["base"] == a
+    (folder / "snapshots" / a / "complete.json").unlink()  # (damaged by hand)
+    _fit(model, 0, ROWS, seed=32)
+    before = _values(layer)
+    with pytest.raises(ValueError, match=f"'t/embeddings'.*'{b}'.*builds on snapshot '{a}'"):
+        model.load_weights(tmp_path / "b.weights.h5")
+    _assert_equal(_values(layer), before)
