@@ -145,7 +145,7 @@ def test_a_load_that_fails_on_one_shard_leaves_every_shard_as_it_was(tmp_path, m
         def failing(src, dst, *args, **kwargs):
             if str(last.settings.path) in str(dst):
                 raise OSError(28, "No space left on device")
-            copy(src, dst, *args, **kwargs)
+            return copy(src, dst, *args, **kwargs)
 
         monkeypatch.setattr(snapshots, "copy_sparse", failing)
         match = "No space left"

@@ -28,15 +28,20 @@ import sparseopt
 from sparseopt.disk import snapshots
 from sparseopt.storage import OnDisk
 
+# Snapshots are the host's files, whatever the backend trained them: once, in the JAX
+# session, which has the time (saves and loads through `fit` on both backends:
+# test_disk_tables.py).
+pytestmark = pytest.mark.jax_session
+
 # 4,096 rows of 16 float32 (64 rows a 4 KiB page of the rows' file), row-wise Adagrad.
 ROWS, WIDTH = 4096, 16
 
 
-def _model(folder):
+def _model(folder, updater=None, dtype=None):
     keras.utils.set_random_seed(5)
     ids = keras.Input((2,), dtype="int32")
     layer = sparseopt.layers.SparseEmbedding(
-        ROWS, WIDTH, sparseopt.updaters.RowwiseAdagrad(0.1), name="t",
+        ROWS, WIDTH, updater or sparseopt.updaters.RowwiseAdagrad(0.1), name="t", dtype=dtype,
         storage=OnDisk(str(folder), cache_rows=64),
         embeddings_initializer=keras.initializers.RandomUniform(-0.1, 0.1, seed=1))
     out = keras.layers.Dense(1)(keras.layers.Flatten()(layer(ids)))
@@ -82,6 +87,9 @@ def test_a_save_after_a_save_holds_the_pages_written_between_and_loads_bit_for_b
     whole, delta = _record(folder, a), _record(folder, b)
     assert whole["base"] is None and delta["base"] == a
     assert "rows.bin" in delta["deltas"]
+    # (Named apart: nothing that takes the folder for whole files loads it as one.)
+    held = folder / "snapshots" / b
+    assert (held / "rows.bin.delta").exists() and not (held / "rows.bin").exists()
     pages = np.fromfile(folder / "snapshots" / b / "rows.bin.pages", "<i8")
     assert set(pages.tolist()) <= {0, 1}, pages
     assert delta["bytes"] * 4 < whole["bytes"], (delta["bytes"], whole["bytes"])
@@ -100,20 +108,49 @@ def test_a_save_after_a_save_holds_the_pages_written_between_and_loads_bit_for_b
     _fit(model, 0, ROWS, seed=4)
     model.load_weights(tmp_path / "c.weights.h5")
     _assert_equal(_values(layer), at_c)
+    # Loaded by a table opened afresh on the folder (as a new process would).
+    layer.embeddings.close()
+    again, again_layer = _model(folder)
+    again.load_weights(tmp_path / "b.weights.h5")
+    _assert_equal(_values(again_layer), at_b)
+
+
+@pytest.mark.parametrize("kind", ["int8", "lazy_false_momentum"])
+def test_every_kind_of_write_reaches_an_incremental_snapshot(tmp_path, kind):
+    # An int8 table (codes and scales), and catch-up at the end of `fit` (`lazy=False`:
+    # every row written part by part, here every row of the table: its save may be
+    # whole); either loads bit for bit.
+    updater, dtype = {
+        "int8": (sparseopt.updaters.RowwiseAdagrad(0.1), "int8"),
+        "lazy_false_momentum": (sparseopt.updaters.SGD(0.1, momentum=0.9, lazy=False), None),
+    }[kind]
+    folder = tmp_path / "t"
+    model, layer = _model(folder, updater, dtype)
+    _fit(model, 0, ROWS, seed=40, steps=40)
+    model.save_weights(tmp_path / "a.weights.h5")
+    _fit(model, 0, 256, seed=41)
+    model.save_weights(tmp_path / "b.weights.h5")
+    at_b = _values(layer)
+    a, b = layer.embeddings.snapshots()
+    if kind == "int8":  # (the catch-up's save: whole or not, by its chain's bytes)
+        assert _record(folder, b)["base"] == a
+    _fit(model, 0, ROWS, seed=42)
+    model.load_weights(tmp_path / "b.weights.h5")
+    _assert_equal(_values(layer), at_b)
 
 
 def test_chains_end_whole_and_what_a_kept_snapshot_builds_on_stays(tmp_path):
     folder = tmp_path / "t"
     model, layer = _model(folder)
     saved = {}
-    for k in range(4):  # each time rows all over the table: pages as many as a whole one
-        _fit(model, 0, ROWS, seed=10 + k, steps=40)
+    for k in range(5):  # the whole table first, then rows over 3/4 of it each time
+        _fit(model, 0, ROWS if k == 0 else 3 * ROWS // 4, seed=10 + k, steps=40)
         model.save_weights(tmp_path / f"{k}.weights.h5")
         saved[layer.embeddings.snapshots()[-1]] = (k, _values(layer))
     names = layer.embeddings.snapshots()
     bases = [_record(folder, n)["base"] for n in names]
-    assert bases[0] is None and None in bases[1:], bases  # (a chain ended: whole again)
-    assert any(b is not None for b in bases), bases  # (and one built on the one before)
+    # Whole; built on it (3/4 of its pages); whole again (two such would outweigh it)...
+    assert bases == [None, names[0], None, names[2], None], bases
 
     newest = names[-1]
     kept_chain = set()
@@ -148,7 +185,7 @@ def test_a_save_that_dies_midway_then_a_save_holds_every_page_since_the_last(tmp
     def dies(src, dst, *args, **kwargs):
         if "rows.bin" in str(src):
             raise KeyboardInterrupt("killed")
-        copy(src, dst, *args, **kwargs)
+        return copy(src, dst, *args, **kwargs)
 
     monkeypatch.setattr(snapshots, "copy_sparse", dies)
     with pytest.raises(KeyboardInterrupt):
@@ -180,4 +217,17 @@ def test_a_load_whose_chain_lacks_a_snapshot_names_it_and_changes_nothing(tmp_pa
     before = _values(layer)
     with pytest.raises(ValueError, match=f"'t/embeddings'.*'{b}'.*builds on snapshot '{a}'"):
         model.load_weights(tmp_path / "b.weights.h5")
+    _assert_equal(_values(layer), before)
+    # A record naming no earlier snapshot (damaged: it names itself) is refused, not followed.
+    record = _record(folder, b)
+    (folder / "snapshots" / b / "complete.json").write_text(json.dumps({**record, "base": b}))
+    with pytest.raises(ValueError, match=f"'t/embeddings'.*'{b}'.*damaged"):
+        model.load_weights(tmp_path / "b.weights.h5")
+    _assert_equal(_values(layer), before)
+    # After a failed load the next save is whole (what the files are is a save's again).
+    model.save_weights(tmp_path / "c.weights.h5")
+    c = layer.embeddings.snapshots()[-1]
+    assert _record(folder, c)["base"] is None
+    _fit(model, 0, ROWS, seed=33)
+    model.load_weights(tmp_path / "c.weights.h5")
     _assert_equal(_values(layer), before)

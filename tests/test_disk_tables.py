@@ -943,7 +943,7 @@ def test_a_save_that_dies_midway_leaves_the_last_snapshot_whole(tmp_path, monkey
         if copied:
             raise KeyboardInterrupt("killed")
         copied.append(src)
-        copy(src, dst, *args, **kwargs)
+        return copy(src, dst, *args, **kwargs)
 
     monkeypatch.setattr(snapshots, "copy_sparse", dies)
     with pytest.raises(KeyboardInterrupt):

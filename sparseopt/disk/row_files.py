@@ -234,17 +234,20 @@ class RowFiles:
         ids = np.asarray(ids, np.int64)
         if ids.size == 0:
             return
+        fresh = {}
         for file, array in self._files():
             reserved = self._reserved[file]
             row_bytes = 0 if file == WRITTEN else host_ops.row_bytes(array)  # (0: bitmap)
-            blocks = host_ops.unreserved(ids, row_bytes, RESERVE_BYTES, reserved)
-            if blocks.size:
-                self._fallocate(file, blocks, array.nbytes)
-                reserved[blocks] = True
-        for file, array in self._files():
-            changed = self._changed[file]
-            row_bytes = 0 if file == WRITTEN else host_ops.row_bytes(array)
-            changed[host_ops.unreserved(ids, row_bytes, RESERVE_BYTES, changed)] = True
+            # The blocks not marked since the last snapshot: one pass finds those not
+            # reserved too, which are among them (a block is marked once reserved).
+            blocks = host_ops.unreserved(ids, row_bytes, RESERVE_BYTES, self._changed[file])
+            new = blocks[~reserved[blocks]]
+            if new.size:
+                self._fallocate(file, new, array.nbytes)
+                reserved[new] = True
+            fresh[file] = blocks
+        for file, blocks in fresh.items():
+            self._changed[file][blocks] = True
 
     def changes(self):
         """`{file: int64 sorted block numbers}`: the blocks of `RESERVE_BYTES` (pages) of

@@ -27,9 +27,10 @@ size.
 Incremental (`take(base=...)`): where the table knows every page of its
 files written since its last snapshot (`RowFiles.changes`: since that
 snapshot was taken or loaded, in this process), the next snapshot holds only
-those pages of each file (at their places in a sparse file, their numbers
-beside it in `<file>.pages`) and names the snapshot it builds on (`base` in
-`complete.json`). A load copies the chain's first snapshot, which is whole,
+those pages of each file (at their places in a sparse file, `<file>.delta`,
+named apart so that nothing loads it as a whole file; their numbers beside
+it in `<file>.pages`) and names the snapshot it builds on (`base` in
+`complete.json`, an earlier number). A load copies the chain's first snapshot, which is whole,
 then each later one's pages over it, oldest first. A chain stops growing
 where its pages would take more than its whole first snapshot (`delta_base`):
 the next snapshot is whole again, so a load copies at most about twice a
@@ -62,6 +63,9 @@ COMPLETE = "complete.json"
 LAST = "last-number"  # (in FOLDER) the highest number ever taken
 RELEASED = "released"  # (in a snapshot's folder) removed, kept while others build on it
 PAGES = ".pages"  # (suffix) the pages an incremental snapshot holds of a file, int64
+# (suffix) a file held in part: named apart from a whole file, so that no reader taking the
+# folder for whole snapshots (an earlier sparseopt, a folder copied alone) loads it whole.
+DELTA = ".delta"
 # The unit of an incremental snapshot: the blocks `RowFiles` marks written (a page);
 # recorded in each such snapshot, which a load follows.
 PAGE_BYTES = RESERVE_BYTES
@@ -102,6 +106,7 @@ def take(path, names, at_least=1, base=None, changed=None):
             shutil.rmtree(stale)
         else:
             stale.unlink()
+    collect(path)  # (what a crash between a removal's release and its deletion left)
     for name in names:
         fsync_path(path / name)
     snapshot = f"{max(next_number(path), int(at_least)):08d}"
@@ -113,22 +118,28 @@ def take(path, names, at_least=1, base=None, changed=None):
     partial = root / (_PARTIAL + snapshot)
     partial.mkdir()
     deltas = sorted(set(changed or ()) & set(names)) if base is not None else []
+    copied = 0
     for name in names:
         pages = changed[name] if name in deltas else None
-        copy_sparse(path / name, partial / name, pages)
+        copied += copy_sparse(path / name, partial / _stored(name, deltas), pages)
         if pages is not None:
             np.ascontiguousarray(pages, "<i8").tofile(partial / (name + PAGES))
             fsync_path(partial / (name + PAGES))
-    sizes = {name: (partial / name).stat().st_size for name in names}
+    sizes = {name: (partial / _stored(name, deltas)).stat().st_size for name in names}
+    # (`bytes`: what was copied, counted as copied: a file system's block counts may lag.)
     record = {"files": sizes, "base": base if deltas else None, "deltas": deltas,
-              "page_bytes": PAGE_BYTES,
-              "bytes": sum(f.stat().st_blocks * 512 for f in partial.iterdir())}
+              "page_bytes": PAGE_BYTES, "bytes": copied}
     (partial / COMPLETE).write_text(json.dumps(record, sort_keys=True))
     fsync_path(partial / COMPLETE)
     fsync_path(partial)
     os.replace(partial, root / snapshot)
     fsync_path(root)
     return snapshot
+
+
+def _stored(name, deltas):
+    """The name file `name` has in a snapshot whose files `deltas` are held in part."""
+    return name + DELTA if name in deltas else name
 
 
 def restore(path, snapshot, names, owner):
@@ -163,7 +174,7 @@ def stage(path, snapshot, names, owner):
         for folder, record in reversed(links):
             for name in names:
                 if name in record["deltas"]:
-                    copy_sparse(folder / name, staged[name], _pages(folder, name),
+                    copy_sparse(folder / (name + DELTA), staged[name], _pages(folder, name),
                                 over=True, page_bytes=record["page_bytes"])
                 else:
                     copy_sparse(folder / name, staged[name])
@@ -218,8 +229,23 @@ def check(path, snapshot, names, owner):
             raise ValueError(f"{where}, which holds another table's files than this "
                              "layer's.")
         links.append((folder, record))
-        name = record.get("base")
+        name = _base_of(record, name)
+        if name is False:
+            raise ValueError(f"{where}, whose record in '{folder}' is damaged (it builds on "
+                             "no earlier snapshot).")
     return links
+
+
+def _base_of(record, name):
+    """The snapshot `record` (snapshot `name`'s) builds on, None, or False where it names
+    one that is no earlier snapshot (a damaged record: following it could loop)."""
+    base = record.get("base")
+    if base is None:
+        return None
+    try:
+        return str(base) if int(base) < int(name) else False
+    except (TypeError, ValueError):
+        return False
 
 
 def _check_files(where, folder, record, names):
@@ -227,7 +253,7 @@ def _check_files(where, folder, record, names):
     and the pages of each file held in part are listed."""
     sizes = record["files"]
     for name in names:
-        file = folder / name
+        file = folder / _stored(name, record["deltas"])
         if sizes.get(name) is None or not file.exists() or file.stat().st_size != sizes[name]:
             raise ValueError(f"{where}, whose '{name}' is missing or damaged.")
         if name in record["deltas"]:
@@ -243,28 +269,36 @@ def _pages(folder, name):
     return np.fromfile(folder / (name + PAGES), "<i8")
 
 
-def delta_base(path, base, pages):
+def delta_base(path, base, changed):
     """`base` if the next snapshot of the table in folder `path` may build on it, holding
-    `pages` pages more: it is complete, and its chain's pages with these stay within its
+    the pages `changed`: it is complete, and its chain's pages with these stay within its
     first (whole) snapshot's bytes; else None (the next snapshot is whole).
 
     Args:
         path: the table's folder.
         base: the snapshot its files were last taken in or loaded from (or None).
-        pages: how many pages the next one would hold.
+        changed: `{file: int64 sorted page numbers}` the next one would hold.
     """
     if base is None:
         return None
-    root, added, name = pathlib.Path(path) / FOLDER, pages * PAGE_BYTES, str(base)
+    added = 0
+    for name, pages in changed.items():  # (the bytes they hold: a last page may be short)
+        if pages.size:
+            size = (pathlib.Path(path) / name).stat().st_size
+            added += pages.size * PAGE_BYTES - max(0, (int(pages[-1]) + 1) * PAGE_BYTES - size)
+    root, name = pathlib.Path(path) / FOLDER, str(base)
     while True:
         try:
             record = json.loads((root / name / COMPLETE).read_text())
         except (OSError, ValueError):
             return None  # (gone, or damaged: a whole one)
-        if record.get("base") is None:
+        earlier = _base_of(record, name)
+        if earlier is None:
             return str(base) if added <= record.get("bytes", 0) else None
+        if earlier is False:
+            return None
         added += record.get("bytes", 0)
-        name = record["base"]
+        name = earlier
 
 
 def listed(path):
@@ -315,8 +349,12 @@ def remove_named(path, names):
     removed = []
     for name in names:
         folder = pathlib.Path(path) / FOLDER / str(name)
-        if (folder.is_dir() and not folder.name.startswith(_PARTIAL)
-                and not (folder / RELEASED).exists()):
+        if not folder.is_dir() or folder.name.startswith(_PARTIAL):
+            continue
+        if not (folder / COMPLETE).exists():  # (no snapshot, nothing builds on it)
+            _delete(folder)
+            removed.append(str(name))
+        elif not (folder / RELEASED).exists():
             _release(folder)
             removed.append(str(name))
     collect(path)
@@ -345,16 +383,23 @@ def collect(path):
         while name is not None and name not in needed:
             needed.add(name)
             try:
-                name = json.loads((root / name / COMPLETE).read_text()).get("base")
+                record = json.loads((root / name / COMPLETE).read_text())
             except (OSError, ValueError):
-                name = None
+                return  # (what it builds on is unknown: nothing is deleted)
+            name = _base_of(record, name) or None
     for name in every:
         if name not in needed and (root / name / RELEASED).exists():
-            gone = root / f"{_PARTIAL}{name}-removed"
-            os.replace(root / name, gone)
-            shutil.rmtree(gone)
+            _delete(root / name)
     if every:
         fsync_path(root)
+
+
+def _delete(folder):
+    """Deletes snapshot `folder`, renamed to a hidden name first (a crash midway leaves
+    nothing listed; the next `take` deletes what is left)."""
+    gone = folder.parent / f"{_PARTIAL}{folder.name}-removed"
+    os.replace(folder, gone)
+    shutil.rmtree(gone)
 
 
 def copy_sparse(src, dst, pages=None, over=False, page_bytes=PAGE_BYTES):
@@ -368,20 +413,25 @@ def copy_sparse(src, dst, pages=None, over=False, page_bytes=PAGE_BYTES):
         over: write the pages over `dst` as it is (it exists, of `src`'s size),
             rather than into a new file.
         page_bytes: the bytes of a page.
+
+    Returns:
+        The bytes copied.
     """
     with open(src, "rb") as fin, open(dst, "r+b" if over else "wb") as fout:
         size = os.fstat(fin.fileno()).st_size
         if not over:
             fout.truncate(size)
         if pages is not None:
+            copied = 0
             for start, stop in _runs(pages):
                 begin = start * page_bytes
-                _copy_range(fin.fileno(), fout.fileno(), begin,
-                            min(stop * page_bytes, size) - begin)
+                length = min(stop * page_bytes, size) - begin
+                _copy_range(fin.fileno(), fout.fileno(), begin, length)
+                copied += length
             fout.flush()
             os.fsync(fout.fileno())
-            return
-        offset = 0
+            return copied
+        offset = copied = 0
         while offset < size:
             try:
                 start = os.lseek(fin.fileno(), offset, os.SEEK_DATA)
@@ -391,9 +441,11 @@ def copy_sparse(src, dst, pages=None, over=False, page_bytes=PAGE_BYTES):
                 break
             end = os.lseek(fin.fileno(), start, os.SEEK_HOLE)
             _copy_range(fin.fileno(), fout.fileno(), start, end - start)
+            copied += end - start
             offset = end
         fout.flush()
         os.fsync(fout.fileno())
+        return copied
 
 
 def _runs(pages):

@@ -571,8 +571,7 @@ class DiskTable:
         with self.cache.lock:
             self.cache.flush()
             changed = self.files.changes()
-            base = snapshots.delta_base(self.settings.path, self._base,
-                                        sum(int(p.size) for p in changed.values()))
+            base = snapshots.delta_base(self.settings.path, self._base, changed)
             name = snapshots.take(self.settings.path, self.files.names, at_least, base=base,
                                   changed=changed)
             # (No write ran meanwhile: the table's lock is held, its thread settled.)

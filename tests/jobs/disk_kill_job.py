@@ -49,7 +49,7 @@ def main():
             copies.append(src)
             if len(copies) == files + 2:  # the second backup's second file (its pages)
                 die()
-            copy(src, dst, *args, **kwargs)
+            return copy(src, dst, *args, **kwargs)
         snapshots.copy_sparse = copy_then_die
     elif mode == "drain":
         assert isinstance(layer.embeddings.cache, NativeRowCache)
