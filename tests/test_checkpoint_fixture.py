@@ -58,10 +58,11 @@ def test_checkpoint_of_main_0741813_resumes_exactly():
     check_fixture_resumes()
 
 
-# Runs once (in the TensorFlow session, the two sessions' times balanced): the
-# child is JAX whatever the session's backend; XLA_FLAGS sets the ISA of JAX's
-# whole step (TF compiles only parts of its step with XLA).
+# Runs once (in the JAX session, the two sessions' times balanced): the child is
+# JAX whatever the session's backend; XLA_FLAGS sets the ISA of JAX's whole step
+# (TF compiles only parts of its step with XLA).
 @pytest.mark.backend_independent
+@pytest.mark.jax_session
 def test_the_fixture_check_holds_on_a_cpu_without_avx512():
     """The same check where XLA may use AVX2 at most, as on many x86-64 machines."""
     env = child_env("jax", XLA_FLAGS="--xla_cpu_max_isa=AVX2")

@@ -84,6 +84,10 @@ def _train(settings_class):
             {v.path: to_np(v) for v in optimizer_state(model.optimizer)})
 
 
+# What this checks, that a kind plugs in through the registry with nothing else changed,
+# is the same on either backend, whose plumbing every other storage test takes on both:
+# once, in the JAX session (21 s of the TensorFlow session's time, 5 s of JAX's).
+@pytest.mark.jax_session
 def test_a_new_kind_of_storage_trains_every_updater_as_memory_does(monkeypatch):
     # The backend's fused kernels update plain in-memory variables directly, never
     # through a kind's `read` and `write`: both runs take the rules' own path here
