@@ -231,3 +231,36 @@ def test_a_load_whose_chain_lacks_a_snapshot_names_it_and_changes_nothing(tmp_pa
     _fit(model, 0, ROWS, seed=33)
     model.load_weights(tmp_path / "c.weights.h5")
     _assert_equal(_values(layer), before)
+
+
+def test_a_load_leaves_removing_the_files_it_replaced_to_a_thread_of_its_own(tmp_path,
+                                                                            monkeypatch):
+    # Removing a trained table's files takes the file system seconds (they were given disk
+    # page by page); a load keeps them under hidden names and hands them to a thread of
+    # their own: it returns with them still there (held here), and then they go.
+    import threading
+
+    gate = threading.Event()
+    real = snapshots._unlink
+
+    def held(file):
+        gate.wait(60)
+        real(file)
+
+    monkeypatch.setattr(snapshots, "_unlink", held)
+    folder = tmp_path / "t"
+    model, layer = _model(folder)
+    _fit(model, 0, ROWS, seed=50, steps=10)
+    model.save_weights(tmp_path / "a.weights.h5")
+    at_a = _values(layer)
+    _fit(model, 0, ROWS, seed=51)
+    try:
+        model.load_weights(tmp_path / "a.weights.h5")
+        replaced = list(folder.glob(".partial-*-replaced-*"))
+        assert len(replaced) == len(layer.embeddings.files.names), replaced
+        _assert_equal(_values(layer), at_a)
+    finally:
+        gate.set()
+        snapshots.wait_discarded()
+    assert not list(folder.glob(".partial-*"))
+    _assert_equal(_values(layer), at_a)

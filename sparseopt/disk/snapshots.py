@@ -51,7 +51,9 @@ import errno
 import json
 import os
 import pathlib
+import itertools
 import shutil
+import threading
 
 import numpy as np
 
@@ -70,6 +72,8 @@ DELTA = ".delta"
 # recorded in each such snapshot, which a load follows.
 PAGE_BYTES = RESERVE_BYTES
 _PARTIAL = ".partial-"
+_REPLACED = "-replaced-"  # (in the hidden names of files a load replaced: `commit`)
+_numbers = itertools.count()  # (each such name used once in a process)
 
 
 def next_number(path):
@@ -100,12 +104,16 @@ def take(path, names, at_least=1, base=None, changed=None):
     if not root.exists():
         root.mkdir()
         fsync_path(path)
+    replaced = []
     for stale in [*root.glob(_PARTIAL + "*"), *path.glob(_PARTIAL + "*")]:
-        # An earlier save's or load's crash: never referred to.
+        # An earlier save's or load's crash, or files a load replaced: never referred to.
         if stale.is_dir():
             shutil.rmtree(stale)
+        elif _REPLACED in stale.name:
+            replaced.append(stale)  # (slow to remove, and named once: not here)
         else:
-            stale.unlink()
+            stale.unlink(missing_ok=True)
+    discard(replaced)
     collect(path)  # (what a crash between a removal's release and its deletion left)
     for name in names:
         fsync_path(path / name)
@@ -154,8 +162,12 @@ def restore(path, snapshot, names, owner):
     Raises:
         ValueError: the snapshot is missing, incomplete or damaged, or another
             table's (the live files are then untouched).
+
+    Returns:
+        The live files replaced, kept under hidden names (`commit`): `discard` them once
+        nothing maps them.
     """
-    commit(path, stage(path, snapshot, names, owner))
+    return commit(path, stage(path, snapshot, names, owner))
 
 
 def stage(path, snapshot, names, owner):
@@ -192,11 +204,64 @@ def unstage(staged):
 
 def commit(path, staged):
     """`restore`'s second half: `stage`'s copies renamed over the live files of folder
-    `path` (the only window in which a crash mixes live files)."""
+    `path` (the only window in which a crash mixes live files); the files replaced.
+
+    Each live file replaced is kept under a hidden name (a second link to it, made
+    first): deleting a file that training gave disk page by page (`RowFiles.reserve`:
+    many extents) takes the file system seconds for a large table, which its last
+    name's removal would cost whoever drops its last map. `discard` removes them on a
+    thread of its own once the table maps the new files; a crash before leaves them to
+    the next `take`, which removes every hidden name.
+
+    Returns:
+        `[path]` of the files replaced, under their hidden names.
+    """
     path = pathlib.Path(path)
+    kept = []
     for name, file in staged.items():
+        # (A name of its own: one being removed on a thread is never given again.)
+        old = path / f"{_PARTIAL}{name}{_REPLACED}{os.getpid()}-{next(_numbers)}"
+        try:
+            os.link(path / name, old)
+            kept.append(old)
+        except OSError:  # (a live file missing, or no links here: removed by the rename)
+            pass
         os.replace(file, path / name)
     fsync_path(path)
+    return kept
+
+
+_discarding = []  # the threads `discard` started, not yet joined by `wait_discarded`
+
+
+def discard(files):
+    """Removes `files` (`commit`'s, no longer mapped) on a thread of its own.
+
+    Args:
+        files: paths.
+    """
+    if not files:
+        return
+    thread = threading.Thread(target=_unlink_all, args=(list(files),), daemon=True,
+                              name="sparseopt replaced table files")
+    _discarding.append(thread)
+    thread.start()
+
+
+def _unlink_all(files):
+    for file in files:
+        _unlink(file)
+
+
+def _unlink(file):
+    """Removes `file` (missing: already removed, e.g. by a `take`)."""
+    pathlib.Path(file).unlink(missing_ok=True)
+
+
+def wait_discarded():
+    """Returns once every file `discard` was given is removed."""
+    while _discarding:
+        _discarding.pop().join()
 
 
 def check(path, snapshot, names, owner):

@@ -611,13 +611,15 @@ class DiskTable:
         new, empty cache (the old one's rows were the table's before).
 
         Args:
-            replace: the function that replaces the files.
+            replace: the function that replaces the files; it returns the files
+                replaced, kept under other names (`snapshots.commit`), or None.
             loaded: the snapshot whose files they are, where `replace()` returns.
         """
         with self.cache.lock:
             self._base = None  # (until they are known to be a snapshot's)
+            replaced = None
             try:
-                replace()
+                replaced = replace()
                 self._failed = None  # (what a failed write lost is replaced)
                 self._base = loaded
             finally:
@@ -630,6 +632,9 @@ class DiskTable:
                 self._new_cache()
                 self._upcoming.clear()
                 self._following = None
+            # (No map holds the files replaced now: removing them, seconds for a trained
+            # table, is left to a thread of their own.)
+            snapshots.discard(replaced)
 
     def snapshots(self):
         """The names of the table's complete snapshots, oldest first."""
