@@ -44,7 +44,10 @@ listed or loadable, and deleted as soon as no snapshot kept builds on it
 recorded size), copies every file beside the live ones under hidden names,
 then renames them over the live files. A failure before the renames leaves
 the live files as they were; the renames themselves are the only window in
-which a crash mixes live files (the snapshot stays whole: load again).
+which a crash mixes live files (the snapshot stays whole: load again). The
+files replaced keep a hidden name until the table maps the new ones, and are
+then removed on a thread of their own (`commit`, `discard`): a trained
+table's files take the file system seconds to free.
 """
 
 import errno
