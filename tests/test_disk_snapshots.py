@@ -264,3 +264,23 @@ def test_a_load_leaves_removing_the_files_it_replaced_to_a_thread_of_its_own(tmp
         snapshots.wait_discarded()
     assert not list(folder.glob(".partial-*"))
     _assert_equal(_values(layer), at_a)
+
+
+def test_closing_a_table_waits_for_the_files_a_load_left_to_remove(tmp_path, monkeypatch):
+    # Nothing works in a folder once its table lets it go (a user may remove it next).
+    import time
+
+    real = snapshots._unlink
+
+    def slow(file):
+        time.sleep(0.5)  # (a removal of half a second a file: still going at the close)
+        real(file)
+
+    monkeypatch.setattr(snapshots, "_unlink", slow)
+    folder = tmp_path / "t"
+    model, layer = _model(folder)
+    _fit(model, 0, ROWS, seed=60, steps=10)
+    model.save_weights(tmp_path / "a.weights.h5")
+    model.load_weights(tmp_path / "a.weights.h5")
+    layer.embeddings.close()
+    assert not list(folder.glob(".partial-*"))

@@ -537,7 +537,9 @@ class DiskTable:
 
     def close(self):
         """Writes the cache's rows to the files and lets the folder go (its lock
-        released): another table may open it then. The table is unusable after.
+        released): another table may open it then. The table is unusable after. Files a
+        load replaced, still being removed beside (`snapshots.discard`), are removed
+        first: nothing works in the folder after it is let go.
 
         Raises:
             OSError: a write beside the step failed (a full disk); the cache's other
@@ -555,6 +557,7 @@ class DiskTable:
                     self.cache.flush()
                 finally:
                     self._finalizer.detach()
+                    snapshots.wait_discarded()
                     self.files.close()
 
     def snapshot(self, at_least=1):
