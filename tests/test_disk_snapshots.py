@@ -263,7 +263,12 @@ def test_a_load_leaves_removing_the_files_it_replaced_to_a_thread_of_its_own(tmp
         gate.set()
         snapshots.wait_discarded()
     assert not list(folder.glob(".partial-*"))
-    _assert_equal(_values(layer), at_a)
+    assert all((folder / name).is_file() for name in layer.embeddings.files.names)
+    # (Read again from the folder's files, not the maps the load made.)
+    layer.embeddings.close()
+    again, again_layer = _model(folder)
+    again.load_weights(tmp_path / "a.weights.h5")
+    _assert_equal(_values(again_layer), at_a)
 
 
 def test_closing_a_table_waits_for_the_files_a_load_left_to_remove(tmp_path, monkeypatch):
@@ -284,3 +289,36 @@ def test_closing_a_table_waits_for_the_files_a_load_left_to_remove(tmp_path, mon
     model.load_weights(tmp_path / "a.weights.h5")
     layer.embeddings.close()
     assert not list(folder.glob(".partial-*"))
+
+
+def test_files_an_exit_left_are_removed_when_the_table_opens_and_waiters_all_wait(
+        tmp_path, monkeypatch):
+    # A process that loaded and exited before the thread removed the files it replaced
+    # (or crashed) leaves them under hidden names: the next table on the folder removes
+    # them; every caller of `wait_discarded` returns only once they are gone.
+    import threading
+    import time
+
+    folder = tmp_path / "t"
+    model, layer = _model(folder)
+    _fit(model, 0, ROWS, seed=70, steps=2)
+    layer.embeddings.close()
+    left = folder / ".partial-rows.bin-replaced-0123456789ab-0"
+    left.write_bytes(b"old rows")
+    real = snapshots._unlink
+
+    def slow(file):
+        time.sleep(0.3)
+        real(file)
+
+    monkeypatch.setattr(snapshots, "_unlink", slow)
+    _model(folder)  # (opens the folder)
+    seen = []
+    waiters = [threading.Thread(target=lambda: (snapshots.wait_discarded(folder),
+                                                seen.append(left.exists())))
+               for _ in range(2)]
+    for waiter in waiters:
+        waiter.start()
+    for waiter in waiters:
+        waiter.join()
+    assert seen == [False, False]

@@ -54,7 +54,9 @@ import errno
 import json
 import os
 import pathlib
+import atexit
 import itertools
+import logging
 import shutil
 import threading
 
@@ -77,6 +79,7 @@ PAGE_BYTES = RESERVE_BYTES
 _PARTIAL = ".partial-"
 _REPLACED = "-replaced-"  # (in the hidden names of files a load replaced: `commit`)
 _numbers = itertools.count()  # (each such name used once in a process)
+_TOKEN = os.urandom(6).hex()  # (and a process's own: pids repeat, in containers too)
 
 
 def next_number(path):
@@ -221,34 +224,51 @@ def commit(path, staged):
     """
     path = pathlib.Path(path)
     kept = []
-    for name, file in staged.items():
-        # (A name of its own: one being removed on a thread is never given again.)
-        old = path / f"{_PARTIAL}{name}{_REPLACED}{os.getpid()}-{next(_numbers)}"
-        try:
-            os.link(path / name, old)
-            kept.append(old)
-        except OSError:  # (a live file missing, or no links here: removed by the rename)
-            pass
-        os.replace(file, path / name)
-    fsync_path(path)
+    try:
+        for name, file in staged.items():
+            # (A name of its own: one being removed on a thread is never given again.)
+            old = path / f"{_PARTIAL}{name}{_REPLACED}{_TOKEN}-{next(_numbers)}"
+            try:
+                os.link(path / name, old)
+                kept.append(old)
+            except OSError as error:  # (removed by the rename then, where it is mapped)
+                logging.getLogger("sparseopt.disk").info(
+                    "'%s' could not be kept for removal beside the load (%s): it is freed "
+                    "where its last map goes.", path / name, error)
+            os.replace(file, path / name)
+        fsync_path(path)
+    except BaseException:
+        discard(kept)  # (their live names, or the loaded files' maps, keep what is used)
+        raise
     return kept
 
 
-_discarding = []  # the threads `discard` started, not yet joined by `wait_discarded`
+# `(folder, thread)` of each `discard` not yet seen ended by `wait_discarded`.
+_discarding = []
+_discarding_lock = threading.Lock()
 
 
 def discard(files):
-    """Removes `files` (`commit`'s, no longer mapped) on a thread of its own.
+    """Removes `files` (`commit`'s, no longer mapped) on a thread of its own. Python waits
+    for it at exit (a daemon thread would be stopped midway).
 
     Args:
-        files: paths.
+        files: paths, in one table's folder.
     """
+    files = [pathlib.Path(f) for f in files]
     if not files:
         return
-    thread = threading.Thread(target=_unlink_all, args=(list(files),), daemon=True,
+    thread = threading.Thread(target=_unlink_all, args=(files,), daemon=True,
                               name="sparseopt replaced table files")
-    _discarding.append(thread)
+    with _discarding_lock:
+        _discarding.append((files[0].parent, thread))
     thread.start()
+
+
+def leftovers(path):
+    """The files loads replaced in folder `path` that a crash or an exit left: `discard`
+    them (the folder's table holds its lock, so no load of another is under way)."""
+    return [f for f in pathlib.Path(path).glob(f"{_PARTIAL}*{_REPLACED}*") if f.is_file()]
 
 
 def _unlink_all(files):
@@ -261,10 +281,23 @@ def _unlink(file):
     pathlib.Path(file).unlink(missing_ok=True)
 
 
-def wait_discarded():
-    """Returns once every file `discard` was given is removed."""
-    while _discarding:
-        _discarding.pop().join()
+def wait_discarded(path=None):
+    """Returns once every file `discard` was given (in folder `path`; None: anywhere) is
+    removed.
+
+    Args:
+        path: a table's folder, or None.
+    """
+    folder = None if path is None else pathlib.Path(path)
+    with _discarding_lock:
+        mine = [t for f, t in _discarding if folder is None or f == folder]
+    for thread in mine:
+        thread.join()
+    with _discarding_lock:
+        _discarding[:] = [(f, t) for f, t in _discarding if t.is_alive()]
+
+
+atexit.register(wait_discarded)
 
 
 def check(path, snapshot, names, owner):

@@ -113,6 +113,8 @@ class DiskTable:
         """Opens the files and a new, empty cache over them."""
         self.files = RowFiles(self.settings.path, self.shape[0], self._columns,
                               owner=self._owner, describe=self._describe)
+        # (Files a load replaced that an exit or a crash left: the folder is ours now.)
+        snapshots.discard(snapshots.leftovers(self.settings.path))
         self._new_cache()
 
     def _new_cache(self):
@@ -557,7 +559,7 @@ class DiskTable:
                     self.cache.flush()
                 finally:
                     self._finalizer.detach()
-                    snapshots.wait_discarded()
+                    snapshots.wait_discarded(self.settings.path)
                     self.files.close()
 
     def snapshot(self, at_least=1):
