@@ -173,7 +173,7 @@ def test_a_load_whose_renames_fail_on_one_shard_renames_the_others_and_loads_aga
     def failing(path, staged):
         if str(path) == middle:
             raise OSError(5, "Input/output error")
-        commit(path, staged)
+        return commit(path, staged)
 
     monkeypatch.setattr(snapshots, "commit", failing)
     with pytest.raises(OSError, match="Input/output error"):

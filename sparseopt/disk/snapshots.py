@@ -253,9 +253,9 @@ def discard(files):
     for it at exit (a daemon thread would be stopped midway).
 
     Args:
-        files: paths, in one table's folder.
+        files: paths, in one table's folder (None: none).
     """
-    files = [pathlib.Path(f) for f in files]
+    files = [pathlib.Path(f) for f in files or ()]
     if not files:
         return
     thread = threading.Thread(target=_unlink_all, args=(files,), daemon=True,
