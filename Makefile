@@ -8,7 +8,7 @@ export PYTHONWARNINGS ?= ignore::DeprecationWarning
 # Backend of `make demo` and `make bench`: `make demo BACKEND=tensorflow`.
 BACKEND ?= jax
 
-.PHONY: demo test test-all test-jax test-tensorflow test-lane-jax test-lane-tensorflow bench bench-quick bench-peers env clean install-check
+.PHONY: demo test test-all test-jax test-tensorflow bench bench-quick bench-peers env clean install-check
 
 env: $(STAMP)
 
@@ -68,23 +68,9 @@ TEST_XLA_FLAGS = --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitter
 TEST_XLA = SPARSEOPT_TEST_XLA_FLAGS="$(TEST_XLA_FLAGS)" XLA_FLAGS="$(TEST_XLA_FLAGS) $(XLA_FLAGS)"
 
 # The two backends run side by side (each suite keeps about one core busy),
-# each printing its whole output when it ends. TensorFlow's suite is the longer
-# (561 s of tests against JAX's 416, `--durations` of both side by side on this
-# 2-core machine, 2026-11-27): a few of its files (TF_LATE, 71 s of them) run
-# after JAX's suite, in its lane, in a TensorFlow session of their own, so that
-# both lanes end at about the same time.
-TF_LATE = tests/test_update_rules.py tests/test_training_controls.py \
-	tests/test_dispatch.py tests/test_gradient_accumulation.py
+# each printing its whole output when it ends.
 test: $(STAMP)
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-lane-jax test-lane-tensorflow
-
-test-lane-jax: $(STAMP)
-	$(MAKE) --no-print-directory test-jax
-	$(MAKE) --no-print-directory test-tensorflow TF_FILES="$(TF_LATE)" TF_TMP=tensorflow-late
-
-test-lane-tensorflow: $(STAMP)
-	$(MAKE) --no-print-directory test-tensorflow \
-		TF_FILES="$(foreach f,$(TF_LATE),--ignore=$(f))"
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-jax test-tensorflow
 
 test-all: $(STAMP)
 	SPARSEOPT_THOROUGH=1 $(MAKE) --no-print-directory -j2 --output-sync=target test-jax \
@@ -95,14 +81,11 @@ test-jax: $(STAMP)
 	$(JAX_CACHE) $(TEST_XLA) KERAS_BACKEND=jax $(BIN)/python -m pytest --basetemp=.pytest_tmp/jax \
 		-m "not backend_independent $(SUITE)" $(PYTEST_ARGS)
 
-# (TF_FILES: which of its files, or which to leave out; TF_TMP: its folder.)
-TF_FILES ?=
-TF_TMP ?= tensorflow
 test-tensorflow: $(STAMP)
 	mkdir -p .pytest_tmp
 	$(JAX_CACHE) $(TEST_XLA) KERAS_BACKEND=tensorflow $(BIN)/python -m pytest \
-		--basetemp=.pytest_tmp/$(TF_TMP) \
-		-m "not jax_session $(SUITE)" $(PYTEST_ARGS) $(TF_FILES)
+		--basetemp=.pytest_tmp/tensorflow \
+		-m "not jax_session $(SUITE)" $(PYTEST_ARGS)
 
 # The benchmark suite (docs/benchmarks.md): full run ~45 min + the production-shaped
 # grid (dlrm_step.py) ~40 min + every updater (updaters.py) ~3 min + table precision
