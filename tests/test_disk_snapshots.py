@@ -68,6 +68,13 @@ def _record(folder, name):
     return json.loads((folder / "snapshots" / name / "complete.json").read_text())
 
 
+def _moved_on_then_loaded(model, layer, weights, want, seed):
+    """Trains on (the table moves on), then loads `weights`: the table reads `want` again."""
+    _fit(model, 0, ROWS, seed=seed)
+    model.load_weights(weights)
+    _assert_equal(_values(layer), want)
+
+
 def _assert_equal(got, want):
     assert sorted(got) == sorted(want)
     for name in want:
@@ -105,9 +112,8 @@ def test_a_save_after_a_save_holds_the_pages_written_between_and_loads_bit_for_b
     at_c = _values(layer)
     c = layer.embeddings.snapshots()[-1]
     assert _record(folder, c)["base"] == a
-    _fit(model, 0, ROWS, seed=4)
-    model.load_weights(tmp_path / "c.weights.h5")
-    _assert_equal(_values(layer), at_c)
+    _moved_on_then_loaded(model, layer, tmp_path / "c.weights.h5", at_c,
+                          seed=4)
     # Loaded by a table opened afresh on the folder (as a new process would).
     layer.embeddings.close()
     again, again_layer = _model(folder)
@@ -134,9 +140,8 @@ def test_every_kind_of_write_reaches_an_incremental_snapshot(tmp_path, kind):
     a, b = layer.embeddings.snapshots()
     if kind == "int8":  # (the catch-up's save: whole or not, by its chain's bytes)
         assert _record(folder, b)["base"] == a
-    _fit(model, 0, ROWS, seed=42)
-    model.load_weights(tmp_path / "b.weights.h5")
-    _assert_equal(_values(layer), at_b)
+    _moved_on_then_loaded(model, layer, tmp_path / "b.weights.h5", at_b,
+                          seed=42)
 
 
 def test_chains_end_whole_and_what_a_kept_snapshot_builds_on_stays(tmp_path):
@@ -198,9 +203,8 @@ def test_a_save_that_dies_midway_then_a_save_holds_every_page_since_the_last(tmp
     c = layer.embeddings.snapshots()[-1]
     pages = np.fromfile(folder / "snapshots" / c / "rows.bin.pages", "<i8")
     assert {0, 2} <= set(pages.tolist()), pages  # (the first pages' rows not lost)
-    _fit(model, 0, ROWS, seed=23)
-    model.load_weights(tmp_path / "c.weights.h5")
-    _assert_equal(_values(layer), at_c)
+    _moved_on_then_loaded(model, layer, tmp_path / "c.weights.h5", at_c,
+                          seed=23)
 
 
 def test_a_load_whose_chain_lacks_a_snapshot_names_it_and_changes_nothing(tmp_path):
@@ -228,9 +232,8 @@ def test_a_load_whose_chain_lacks_a_snapshot_names_it_and_changes_nothing(tmp_pa
     model.save_weights(tmp_path / "c.weights.h5")
     c = layer.embeddings.snapshots()[-1]
     assert _record(folder, c)["base"] is None
-    _fit(model, 0, ROWS, seed=33)
-    model.load_weights(tmp_path / "c.weights.h5")
-    _assert_equal(_values(layer), before)
+    _moved_on_then_loaded(model, layer, tmp_path / "c.weights.h5", before,
+                          seed=33)
 
 
 def test_a_load_leaves_removing_the_files_it_replaced_to_a_thread_of_its_own(tmp_path,
