@@ -76,9 +76,9 @@ def test_quick_sizes_leave_size_bound_targets_open():
     assert {t["met"] for t in quick if "rows /" in t["target"] or "plain" in t["target"]} == {None}
 
 
-# `make test`: on JAX (the soak's default), started from the JAX session (the sessions'
-# times balanced: the TensorFlow session is the longer); `make test-all`: on both.
-@pytest.mark.jax_session
+# `make test`: on JAX (the soak's default), started from the TensorFlow session (the
+# sessions' times balanced: the JAX session is the longer); `make test-all`: on both.
+@pytest.mark.backend_independent
 @pytest.mark.parametrize("backend", kinds(["jax", "tensorflow"], ["jax"]))
 def test_soak_runs_end_to_end_and_judges_memory(tmp_path, backend):
     """A short soak run on `backend` (a child process): samples, the verdict and the plot."""
@@ -228,7 +228,7 @@ def _tiny_run(tmp_path, script, *args):
     return json.loads(out.read_text())["results"], proc.stdout
 
 
-@pytest.mark.jax_session  # (JAX children, once: in the JAX session, which has time)
+@pytest.mark.jax_session  # (JAX children, once: in the JAX session)
 def test_disk_snapshots_benchmark_saves_incrementally_beside_whole(tmp_path):
     """A tiny run of benchmarks/disk_snapshots.py: a first save, whole, then saves after
     more steps, incremental, each beside the same files whole, both loaded back."""
@@ -241,7 +241,7 @@ def test_disk_snapshots_benchmark_saves_incrementally_beside_whole(tmp_path):
     assert (tmp_path / "disk_snapshots.png").exists() and "incremental / whole" in stdout
 
 
-@pytest.mark.jax_session  # (JAX children, once: in the JAX session, which has time)
+@pytest.mark.jax_session  # (JAX children, once: in the JAX session)
 def test_disk_cache_benchmark_runs_and_hit_rates_grow_with_the_cache(tmp_path):
     """A tiny run of benchmarks/disk_cache.py: every cache size measured beside memory, the
     NumPy cache beside the native one (which evict alike: the script checks it)."""
@@ -255,7 +255,7 @@ def test_disk_cache_benchmark_runs_and_hit_rates_grow_with_the_cache(tmp_path):
     assert "native / in memory" in stdout
 
 
-@pytest.mark.jax_session  # (JAX children, once: in the JAX session, which has time)
+@pytest.mark.jax_session  # (JAX children, once: in the JAX session)
 @pytest.mark.parametrize("layer", [[], ["--vocabulary"]], ids=["table", "open_vocabulary"])
 def test_disk_tables_benchmark_runs_fit_on_disk_beside_memory(tmp_path, layer):
     """A tiny run of benchmarks/disk_tables.py: the in-memory step and three caches (a
@@ -278,7 +278,7 @@ def test_disk_tables_benchmark_runs_fit_on_disk_beside_memory(tmp_path, layer):
     assert (tmp_path / "disk_tables.png").exists() and "step / in memory" in stdout
 
 
-@pytest.mark.jax_session  # its children are JAX's; the JAX session has the time
+@pytest.mark.backend_independent  # its children are JAX's; the TF session has the time
 def test_gpu_step_benchmark_runs_anywhere_in_its_smoke_mode(tmp_path):
     """benchmarks/gpu_step.py --smoke on the CPU: what it runs on a GPU, tiny (the floor's
     child, both peers, the profile of the sparse step), so it is ready when a GPU is."""

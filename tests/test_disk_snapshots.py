@@ -29,7 +29,7 @@ from sparseopt.disk import snapshots
 from sparseopt.storage import OnDisk
 
 # Snapshots are the host's files, whatever the backend trained them: once, in the JAX
-# session, which has the time (saves and loads through `fit` on both backends:
+# session (to balance the sessions' times; saves and loads through `fit` on both backends:
 # test_disk_tables.py).
 pytestmark = pytest.mark.jax_session
 

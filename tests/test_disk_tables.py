@@ -804,7 +804,7 @@ def _kill_job(folder, mode):
     assert proc.returncode == (0 if mode == "run" else -signal.SIGKILL), proc.stderr[-3000:]
 
 
-@pytest.mark.jax_session  # (JAX children, once: in the JAX session, which has time)
+@pytest.mark.jax_session  # (JAX children, once: in the JAX session)
 @pytest.mark.parametrize("point", ["step", "save", "drain"])
 def test_a_process_killed_anywhere_resumes_from_its_backup_bit_for_bit(tmp_path, point,
                                                                         run_to_the_end):

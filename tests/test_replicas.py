@@ -20,7 +20,7 @@ import pytest
 from tests.helpers import ROOT, THOROUGH, child_env, kinds
 
 # Every run is a TensorFlow child's, whatever the session's backend: once, in the JAX
-# session (the TensorFlow session is the longer). (JAX shards tables with
+# session (to balance the sessions' times). (JAX shards tables with
 # keras.distribution: tests/test_sharded.py.)
 pytestmark = pytest.mark.jax_session
 
