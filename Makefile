@@ -70,9 +70,9 @@ TEST_XLA = SPARSEOPT_TEST_XLA_FLAGS="$(TEST_XLA_FLAGS)" XLA_FLAGS="$(TEST_XLA_FL
 # The two backends run side by side, each printing its whole output when it
 # ends, each on its own half of the processors this process may use (`taskset`,
 # where there is one): left to share them, their thread pools (XLA's, TF's, the
-# child processes') contend, and the two sessions ended 10:06-10:15 min after
-# they began on this 2-core machine; pinned, 9:03 (TensorFlow) and 9:54 (JAX),
-# measured on a fresh clone. `make test-jax` / `make test-tensorflow` alone pin
+# child processes') contend: on this 2-core machine, from a fresh clone, the
+# sessions took 10:06 (TensorFlow) and 10:15 (JAX), and `make test` 11:26 with
+# the install; pinned, 9:03 and 9:54, and 10:52. `make test-jax` / `make test-tensorflow` alone pin
 # nothing.
 pin = $(if $(shell command -v taskset),taskset -c $(shell $(PYTHON) -c \
 	"import os; c = sorted(os.sched_getaffinity(0)); h = max(1, len(c) // 2); \

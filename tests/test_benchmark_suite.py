@@ -76,9 +76,9 @@ def test_quick_sizes_leave_size_bound_targets_open():
     assert {t["met"] for t in quick if "rows /" in t["target"] or "plain" in t["target"]} == {None}
 
 
-# `make test`: on JAX (the soak's default), started from the TensorFlow session (the
-# sessions' times balanced: the JAX session is the longer); `make test-all`: on both.
-@pytest.mark.backend_independent
+# `make test`: on JAX (the soak's default), started from the JAX session (to balance the
+# sessions' times); `make test-all`: on both.
+@pytest.mark.jax_session
 @pytest.mark.parametrize("backend", kinds(["jax", "tensorflow"], ["jax"]))
 def test_soak_runs_end_to_end_and_judges_memory(tmp_path, backend):
     """A short soak run on `backend` (a child process): samples, the verdict and the plot."""
@@ -278,7 +278,7 @@ def test_disk_tables_benchmark_runs_fit_on_disk_beside_memory(tmp_path, layer):
     assert (tmp_path / "disk_tables.png").exists() and "step / in memory" in stdout
 
 
-@pytest.mark.backend_independent  # its children are JAX's; the TF session has the time
+@pytest.mark.jax_session  # (its children are JAX's: once, in the JAX session)
 def test_gpu_step_benchmark_runs_anywhere_in_its_smoke_mode(tmp_path):
     """benchmarks/gpu_step.py --smoke on the CPU: what it runs on a GPU, tiny (the floor's
     child, both peers, the profile of the sparse step), so it is ready when a GPU is."""
