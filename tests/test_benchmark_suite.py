@@ -228,6 +228,24 @@ def _tiny_run(tmp_path, script, *args):
     return json.loads(out.read_text())["results"], proc.stdout
 
 
+@pytest.mark.backend_independent  # (a JAX child, once: in the TensorFlow session)
+def test_host_calls_benchmark_times_every_variant_beside_xlas_gather(tmp_path):
+    """A tiny run of benchmarks/host_calls.py: every variant timed, in one process, beside
+    the step whose rows come from XLA's own gather (FFI where the kernels are built)."""
+    from sparseopt import native
+
+    results, stdout = _tiny_run(tmp_path, "host_calls", "--rows", "1000", "--batch", "64",
+                                "--steps", "3", "--repeats", "2")
+    names = ["XLA gather", "FFI call", "1 io_callback", "4 io_callbacks",
+             "4 io_callbacks doing nothing", "NumPy gather alone, no step"]
+    if not native.available("jax"):
+        names.remove("FFI call")
+    assert [r["variant"] for r in results] == names
+    assert all(r["step_ms"] > 0 and len(r["runs_ms"]) == 2 for r in results)
+    assert results[0]["ratio"] == 1.0 and (tmp_path / "host_calls.png").exists()
+    assert "/ XLA gather" in stdout
+
+
 @pytest.mark.jax_session  # (JAX children, once: in the JAX session)
 def test_disk_snapshots_benchmark_saves_incrementally_beside_whole(tmp_path):
     """A tiny run of benchmarks/disk_snapshots.py: a first save, whole, then saves after
