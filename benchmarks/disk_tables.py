@@ -31,13 +31,16 @@ were fetched ahead is printed. (Open vocabularies fetch in the step: their
 rows follow from their map.) On TensorFlow, whose `fit` takes its batches
 in Python where a table fetches ahead, one more run beside them: the table
 in memory with its batches taken so too, and nothing fetched (what taking
-the batches in Python costs alone).
+the batches in Python costs alone). On JAX, one more: the 5% cache fetched
+ahead with its step's ids numbered in a Python host call, as before that
+numbering was an XLA FFI call compiled into the step.
 
 The files are in a temporary folder: on a machine whose page cache holds
 them, "disk" bytes are copies to and from the kernel's pages, not device I/O.
 """
 
 import argparse
+import contextlib
 import json
 import pathlib
 import sys
@@ -52,8 +55,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import sparseopt  # noqa: E402
-from sparseopt import compat  # noqa: E402
-from disk_cache import zipf_stream  # noqa: E402  (the same stream as the cache's benchmark)
+from sparseopt import compat, native  # noqa: E402
 
 
 def ids(rows, batch, bag, steps, seed):
@@ -90,6 +92,23 @@ def model(rows, width, storage, dtype=None, ids_per_step=None, vocabulary=False)
     m = keras.Model(x, out)
     m.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam(1e-3)), loss="mse")
     return m, emb
+
+
+# A table whose step numbers its ids in a Python host call, as before that numbering was
+# an FFI call compiled into the step (`native.DEFAULTS["disk_number"]`, JAX): beside it.
+HOST_NUMBERING = "host numbering"
+
+
+@contextlib.contextmanager
+def numbered_by_ffi(on):
+    """Models built inside number a table on disk's step ids by the FFI call if `on` (the
+    default), else in a host call."""
+    before = native.DEFAULTS["disk_number"]
+    native.DEFAULTS["disk_number"] = on
+    try:
+        yield
+    finally:
+        native.DEFAULTS["disk_number"] = before
 
 
 def run(args, storage, warm, timed, from_python=False):
@@ -159,6 +178,8 @@ def main():
     tables = [("memory", None, None)] + [(f"disk {f:.0%}", f, True) for f in (0.01, 0.05, 0.20)]
     if not args.vocabulary:  # (the tables fetched ahead; see above)
         tables.append(("disk 5% in step", 0.05, False))
+        if backend == "jax":  # (the step's ids numbered in a host call: before its FFI call)
+            tables.append(("disk 5% host numbering", 0.05, HOST_NUMBERING))
         if backend == "tensorflow":
             tables.append(("memory from Python", None, "python"))
     runs = {name: [] for name, _, _ in tables}
@@ -167,9 +188,10 @@ def main():
             if fraction is None:
                 runs[name].append(run(args, None, warm, timed, from_python=bool(ahead)))
                 continue
-            with tempfile.TemporaryDirectory() as folder:
+            with tempfile.TemporaryDirectory() as folder, numbered_by_ffi(
+                    ahead != HOST_NUMBERING):
                 storage = sparseopt.storage.OnDisk(folder, cache_rows=int(args.rows * fraction),
-                                                   fetch_ahead=ahead)
+                                                   fetch_ahead=bool(ahead))
                 runs[name].append(run(args, storage, warm, timed))
     results = []
     for name, fraction, ahead in tables:
@@ -183,6 +205,9 @@ def main():
             label += ", batches taken in Python as when fetching ahead (nothing fetched)"
         if ahead is False:
             label += ", rows fetched in the step"
+        elif ahead == HOST_NUMBERING:
+            label += (f", {row['fetched_ahead']:.0%} fetched ahead, its ids numbered in a host "
+                      "call (not the FFI call)")
         elif ahead and fraction is not None and not args.vocabulary:
             label += f", {row['fetched_ahead']:.0%} of steps' rows fetched ahead"
         stats = ("| | | | |" if fraction is None else

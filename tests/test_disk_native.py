@@ -4,7 +4,8 @@ Each native pass must give what its NumPy path gives (`sparseopt.disk.host_ops`,
 `RowCache`), which is written independently as vectorized NumPy: the same
 distinct ids, the same numbers, the same cache state array for array (tags,
 dirty flags, uses, ticks, counts), the same files. The step's numbering is
-checked against the device's own (`stages._numbered` without the host). These
+checked against the device's own (`stages._numbered` without the host) and, on
+JAX, against the same code as an FFI call (`number_ffi.cc`). These
 call the host modules directly: they are the units `fit` runs through on a
 table on disk (tests/test_disk_tables.py trains through `fit`, with this
 library on, as users do).
@@ -13,11 +14,13 @@ library on, as users do).
 import errno
 import os
 
+import keras
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 from keras import ops
 
+import sparseopt
 from sparseopt import native
 from sparseopt.disk import host_ops
 from sparseopt.disk.background import Background
@@ -25,7 +28,10 @@ from sparseopt.disk.native_cache import NativeRowCache, make_cache
 from sparseopt.disk.row_cache import RowCache
 from sparseopt.disk.row_files import Column, RowFiles
 from sparseopt.engine import stages
+from sparseopt.storage import OnDisk
 from sparseopt.storage.dtypes import numpy_dtype
+
+JAX = keras.backend.backend() == "jax"
 
 # (Host code: once, in the TensorFlow session, but for the numbering, which is
 # checked against each backend's device numbering.)
@@ -137,13 +143,61 @@ def test_the_blocks_left_to_reserve_are_numpys_and_the_definitions(ids, row_byte
 @settings(max_examples=40, deadline=None)
 @given(ids=st.lists(st.integers(-2, 30), min_size=1, max_size=120),
        num_rows=st.sampled_from([1, 7, 25]))
-def test_the_hosts_numbering_is_the_devices(ids, num_rows):
+def test_the_hosts_numbering_is_the_devices_and_the_ffi_calls(ids, num_rows):
     ids = np.array(ids, np.int32)
     n = ids.size
     host = host_ops.number(ids, num_rows, native.host_library())
     device = stages._numbered(ops.convert_to_tensor(ids), n, num_rows)
     for mine, theirs in zip(host, device):
         np.testing.assert_array_equal(mine, ops.convert_to_numpy(theirs))
+    if JAX:  # (the same numbering as an FFI call compiled into a step: `number_ffi.cc`)
+        import jax
+
+        from sparseopt.backend import jax_native
+
+        ffi = jax.jit(lambda i: jax_native.number_ids(i, num_rows))(ids)
+        assert len(ffi) == 4
+        for mine, theirs in zip(host, ffi):
+            np.testing.assert_array_equal(mine, np.asarray(theirs))
+
+
+def _trained_on_disk(path, steps=6):
+    """A model with a table on disk trained by `fit`: its rows and accumulator at the end."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((4,), dtype="int32")
+    emb = sparseopt.layers.SparseEmbedding(
+        30, 3, sparseopt.updaters.RowwiseAdagrad(0.1), combiner="sum", name="t",
+        storage=OnDisk(str(path), cache_rows=8))
+    model = keras.Model(x, keras.layers.Dense(1)(emb(x)))
+    model.compile(optimizer=sparseopt.DispatchOptimizer("adam"), loss="mse")
+    rng = np.random.default_rng(3)
+    ids = rng.integers(-2, 32, (8 * steps, 4)).astype("int32")  # (repeats, invalid ids)
+    model.fit(ids, rng.normal(size=(8 * steps, 1)), batch_size=8, shuffle=False, verbose=0)
+    out = emb.embeddings.rows_read(), emb.embeddings.numpy("accumulator")
+    emb.embeddings.close()
+    return out
+
+
+def test_a_step_on_disk_numbers_its_ids_in_the_compiled_step_on_jax(tmp_path, monkeypatch):
+    # On JAX on CPU the step's numbering is an FFI call (no Python host call, which
+    # crossed into Python every step); on TensorFlow, and on JAX with the call
+    # switched off, the host call numbers them. Counted through `fit`: the same
+    # tables either way, bit for bit.
+    calls = []
+    numbered = host_ops.number
+
+    def counted(*args):
+        calls.append(1)
+        return numbered(*args)
+
+    monkeypatch.setattr(host_ops, "number", counted)
+    ffi_rows = _trained_on_disk(tmp_path / "ffi")
+    assert (len(calls) == 0) == JAX, len(calls)
+    monkeypatch.setitem(native.DEFAULTS, "disk_number", False)
+    host_rows = _trained_on_disk(tmp_path / "host")
+    assert len(calls) > 0
+    for mine, theirs in zip(ffi_rows, host_rows):
+        np.testing.assert_array_equal(mine, theirs)
 
 
 cache_ops = st.lists(st.tuples(st.sampled_from(["read", "write", "drain", "flush", "peek"]),

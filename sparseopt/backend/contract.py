@@ -164,6 +164,10 @@ CONTRACT = {
                           "says `supports_jit = False`.",
     "host_write": "`host_write(fn, args)`: `fn(*arrays)` run on the host for its effect, "
                   "never dropped from a trace, in program order with every other host call.",
+    "number_ids": "`number_ids(ids, num_rows)`: a step's valid int32 ids numbered in the "
+                  "order of their last occurrence by a native call compiled into the step "
+                  "(`sparseopt.engine.stages._Numbering`'s number, ids_of, positions, count), "
+                  "or None where the backend has none here (a host call numbers them).",
     # Building tables.
     "FILLS_IN_BLOCKS": "whether `fill_in_blocks` writes blocks into one buffer in place "
                        "(JAX); where not, it builds the blocks and joins them.",

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from sparseopt.backend import jax_native, jax_rows, jax_sharding
 from sparseopt.backend.jax_host import (  # noqa: F401 (the contract's)
     HOST_CALLS_COMPILE, host_read, host_write)
+from sparseopt.backend.jax_native import number_ids  # noqa: F401 (the contract's)
 from sparseopt.backend.contract import Kernel
 from sparseopt.backend.jax_dedup import first_occurrences, first_true  # noqa: F401
 from sparseopt.backend.jax_distinct import (  # noqa: F401 (the contract's)

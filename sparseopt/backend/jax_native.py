@@ -10,6 +10,7 @@ bfloat16 arrays too, which XLA:CPU would copy around its scatter).
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sparseopt import native
 from sparseopt.backend import jax_sharding
@@ -48,6 +49,33 @@ def put_rows(value, ids, rows):
     return jax.ffi.ffi_call("sparseopt_put_rows", jax.ShapeDtypeStruct(value.shape, value.dtype),
                             input_output_aliases={0: 0}, vmap_method="sequential")(
         value, ids.astype(jnp.int32).reshape(-1), rows.astype(value.dtype))
+
+
+def number_ids(ids, num_rows):
+    """A table on disk's step ids numbered by the native FFI call (`number_ffi.cc`: the
+    host library's numbering, in the compiled step, with no Python host call), or None
+    where it does not run: kernels off or not built, JAX not on CPU (the call is the
+    host's), or a `keras.distribution` placing arrays (a custom call on an array split
+    or replicated over a mesh would be computed on a whole copy).
+
+    Args:
+        ids: int `[N]`, the step's ids (repeats and invalid ids allowed).
+        num_rows: the table's rows.
+
+    Returns:
+        `(number, ids_of, positions, count)`: int32 `[N]` x 3 and an int32 scalar, as
+        `sparseopt.disk.host_ops.number` gives them.
+    """
+    import keras
+
+    if not (native.enabled("disk_number") and jax.default_backend() == "cpu"
+            and keras.distribution.distribution() is None):
+        return None
+    ids = ids.astype(jnp.int32).reshape(-1)
+    vector = jax.ShapeDtypeStruct(ids.shape, jnp.int32)
+    return tuple(jax.ffi.ffi_call(
+        "sparseopt_number_ids", (vector, vector, vector, jax.ShapeDtypeStruct((), jnp.int32)),
+        vmap_method="sequential")(ids, num_rows=np.int64(num_rows)))
 
 
 def writes_bf16():

@@ -197,9 +197,11 @@ class DiskTable:
                          quantization.dequantize(codes, scale))
 
     def number(self, ids):
-        """The step's valid ids numbered in the order of their last occurrence, on the host
-        (`sparseopt.engine.stages._Numbering`'s fields: number, ids_of, positions, count),
-        where the host library is on; else None (the step numbers them on the device).
+        """The step's valid ids numbered in the order of their last occurrence by the host
+        library's code (`sparseopt.engine.stages._Numbering`'s fields: number, ids_of,
+        positions, count), where it is on: on JAX on CPU as an FFI call compiled into the
+        step (`backend.number_ids`), else in a host call; None where it is off (the step
+        numbers them on the device, to the same numbers).
 
         Args:
             ids: int32 `[N]`, the step's ids (repeats and invalid ids allowed).
@@ -207,6 +209,11 @@ class DiskTable:
         lib = host_ops.library()  # (as the step is traced: the step keeps it)
         if lib is None:
             return None
+        # (JAX on CPU: the same numbering as an FFI call compiled into the step; the
+        # host call below crossed into Python and back for it, every step.)
+        numbered = backend.number_ids(ids, self.shape[0])
+        if numbered is not None:
+            return numbered
         n = ids.shape[0]
         outputs = [((n,), "int32")] * 3 + [((), "int32")]
 

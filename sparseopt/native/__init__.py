@@ -71,8 +71,8 @@ import tempfile
 
 _LOG = logging.getLogger("sparseopt.native")
 HERE = pathlib.Path(__file__).parent
-SOURCES = ("dedup_sum.cc", "rows.cc")
-HEADERS = ("dedup_core.h",)
+SOURCES = ("dedup_sum.cc", "rows.cc", "number_ffi.cc")
+HEADERS = ("dedup_core.h", "id_index.h")
 TF_SOURCES = ("tf_ops.cc",)
 HOST_SOURCES = ("disk_host.cc",)
 # The host library's C functions (disk_host.cc): argument types, and whether each
@@ -99,11 +99,12 @@ FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off", "-w")
 TARGETS = {"sparseopt_dedup_sum": "SparseoptDedupSum",
            "sparseopt_dedup_sum_bags": "SparseoptDedupSumBags",
            "sparseopt_take_rows": "SparseoptTakeRows",
-           "sparseopt_put_rows": "SparseoptPutRows"}
+           "sparseopt_put_rows": "SparseoptPutRows",
+           "sparseopt_number_ids": "SparseoptNumberIds"}
 
 # Each kernel's default (`SPARSEOPT_NATIVE` unset): on where it was measured faster.
 DEFAULTS = {"bf16_writes": True, "dedup": True, "tf_dedup": True, "rows": True,
-            "disk_host": True}
+            "disk_host": True, "disk_number": True}
 # Each kernel's framework (its library); the others are JAX's.
 FRAMEWORK = {"tf_dedup": "tensorflow", "disk_host": "host"}
 _FORCED = {"1": True, "0": False}
@@ -132,8 +133,9 @@ def disabled():
 
 
 def enabled(kernel):
-    """Whether steps traced now use native kernel `kernel` (`"bf16_writes"` or `"dedup"`
-    on JAX, `"tf_dedup"` on TensorFlow, `"disk_host"` for tables on disk on either):
+    """Whether steps traced now use native kernel `kernel` (`"bf16_writes"`, `"dedup"`,
+    `"rows"` or `"disk_number"` (a table on disk's step ids numbered by an FFI call) on
+    JAX, `"tf_dedup"` on TensorFlow, `"disk_host"` for tables on disk on either):
     switched on (or on by default), built and loaded; never while Keras exports a model
     (`model.export`): a SavedModel serves without sparseopt, so it holds no call into
     its kernels (and JAX's export refuses custom calls it does not know)."""
