@@ -55,7 +55,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import sparseopt  # noqa: E402
-from sparseopt import compat, native  # noqa: E402
+from sparseopt import backend as seams, compat  # noqa: E402
 
 
 def ids(rows, batch, bag, steps, seed):
@@ -95,20 +95,22 @@ def model(rows, width, storage, dtype=None, ids_per_step=None, vocabulary=False)
 
 
 # A table whose step numbers its ids in a Python host call, as before that numbering was
-# an FFI call compiled into the step (`native.DEFAULTS["disk_number"]`, JAX): beside it.
+# an FFI call compiled into the step (JAX: `sparseopt.backend.number_ids`), beside the others.
 HOST_NUMBERING = "host numbering"
 
 
 @contextlib.contextmanager
 def numbered_by_ffi(on):
-    """Models built inside number a table on disk's step ids by the FFI call if `on` (the
-    default), else in a host call."""
-    before = native.DEFAULTS["disk_number"]
-    native.DEFAULTS["disk_number"] = on
+    """Models built inside number a table on disk's step ids by the FFI call if `on` (where
+    it runs), else in a host call (the backend's seam giving no FFI call, whatever
+    `SPARSEOPT_NATIVE` says)."""
+    before = seams.number_ids
+    if not on:
+        seams.number_ids = lambda ids, num_rows: None
     try:
         yield
     finally:
-        native.DEFAULTS["disk_number"] = before
+        seams.number_ids = before
 
 
 def run(args, storage, warm, timed, from_python=False):

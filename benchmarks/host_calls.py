@@ -5,7 +5,8 @@
 A table on disk reads and writes its rows from its compiled step through
 ordered `jax.experimental.io_callback`s into Python (`sparseopt.backend.jax_host`):
 four per step for a `SparseEmbedding` with row-wise Adagrad (the lookup's rows,
-the step's ids numbered, the per-row state, the write). This measures what
+the step's ids numbered, the per-row state, the write), until the numbering
+became an XLA FFI call on JAX on CPU (three since). This measures what
 such calls cost beside the work they do, on one compiled step over a model's
 worth of small arrays (40 of 64 x 64, as a dense head and its Adam slots), each
 step gathering 32,768 rows of 16 floats from a table of 200,000 (the rows

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.jax_session,
                                  reason="the native kernels are XLA FFI calls (JAX)")]
 
 
-KERNELS = ("bf16_writes", "dedup", "rows")
+KERNELS = ("bf16_writes", "dedup", "rows", "disk_number")
 
 
 def test_the_kernels_build_and_load_here():

@@ -18,6 +18,10 @@ default):
   than XLA's own dedup when it runs (both bound by the same random
   accesses; docs/benchmarks.md, "Native kernels"), but one call in place of
   a dozen kernels per table in the compiled step.
+- `disk_number`: a table on disk's numbering of its step's ids (`number_ffi.cc`,
+  the host library's code: `id_index.h`), compiled into the step where it was
+  a Python host call (one crossing into Python a step fewer), with
+  `disk_host` on (tests/test_disk_native.py).
 
 as a TensorFlow op on CPU:
 
