@@ -31,9 +31,9 @@ were fetched ahead is printed. (Open vocabularies fetch in the step: their
 rows follow from their map.) On TensorFlow, whose `fit` takes its batches
 in Python where a table fetches ahead, one more run beside them: the table
 in memory with its batches taken so too, and nothing fetched (what taking
-the batches in Python costs alone). On JAX, one more: the 5% cache fetched
-ahead with its step's ids numbered in a Python host call, as before that
-numbering was an XLA FFI call compiled into the step.
+the batches in Python costs alone). And one more on both: the 5% cache fetched
+ahead with its step's ids numbered in a Python host call, as before the step
+numbered them itself (an XLA FFI call on JAX, an op on TensorFlow).
 
 The files are in a temporary folder: on a machine whose page cache holds
 them, "disk" bytes are copies to and from the kernel's pages, not device I/O.
@@ -94,8 +94,9 @@ def model(rows, width, storage, dtype=None, ids_per_step=None, vocabulary=False)
     return m, emb
 
 
-# A table whose step numbers its ids in a Python host call, as before that numbering was
-# an FFI call compiled into the step (JAX: `sparseopt.backend.number_ids`), beside the others.
+# A table whose step numbers its ids in a Python host call, as before the step numbered
+# them itself (an FFI call on JAX, an op on TensorFlow: `sparseopt.backend.number_ids`),
+# beside the others.
 HOST_NUMBERING = "host numbering"
 
 
@@ -180,8 +181,8 @@ def main():
     tables = [("memory", None, None)] + [(f"disk {f:.0%}", f, True) for f in (0.01, 0.05, 0.20)]
     if not args.vocabulary:  # (the tables fetched ahead; see above)
         tables.append(("disk 5% in step", 0.05, False))
-        if backend == "jax":  # (the step's ids numbered in a host call: before its FFI call)
-            tables.append(("disk 5% host numbering", 0.05, HOST_NUMBERING))
+        # (the step's ids numbered in a host call: as before it numbered them itself)
+        tables.append(("disk 5% host numbering", 0.05, HOST_NUMBERING))
         if backend == "tensorflow":
             tables.append(("memory from Python", None, "python"))
     runs = {name: [] for name, _, _ in tables}
@@ -209,7 +210,7 @@ def main():
             label += ", rows fetched in the step"
         elif ahead == HOST_NUMBERING:
             label += (f", {row['fetched_ahead']:.0%} fetched ahead, its ids numbered in a host "
-                      "call (not the FFI call)")
+                      "call (not in the step)")
         elif ahead and fraction is not None and not args.vocabulary:
             label += f", {row['fetched_ahead']:.0%} of steps' rows fetched ahead"
         stats = ("| | | | |" if fraction is None else

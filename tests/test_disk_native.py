@@ -4,8 +4,9 @@ Each native pass must give what its NumPy path gives (`sparseopt.disk.host_ops`,
 `RowCache`), which is written independently as vectorized NumPy: the same
 distinct ids, the same numbers, the same cache state array for array (tags,
 dirty flags, uses, ticks, counts), the same files. The step's numbering is
-checked against the device's own (`stages._numbered` without the host) and, on
-JAX, against the same code as an FFI call (`number_ffi.cc`). These
+checked against the device's own (`stages._numbered` without the host) and
+against the same code compiled into the step: an FFI call on JAX
+(`number_ffi.cc`), an op on TensorFlow (`tf_ops.cc`). These
 call the host modules directly: they are the units `fit` runs through on a
 table on disk (tests/test_disk_tables.py trains through `fit`, with this
 library on, as users do).
@@ -32,8 +33,21 @@ from sparseopt.storage import OnDisk
 from sparseopt.storage.dtypes import numpy_dtype
 
 JAX = keras.backend.backend() == "jax"
-# (The numbering's FFI call is JAX's on CPU; on a GPU the host call numbers.)
-FFI = JAX and __import__("jax").default_backend() == "cpu"
+
+
+def _numbers_in_step():
+    """Whether a step numbers a table on disk's ids natively in the step (JAX: an FFI call,
+    on CPU; TensorFlow: an op, a CPU kernel); on a GPU the host call numbers them."""
+    if JAX:
+        import jax
+
+        return jax.default_backend() == "cpu"
+    import tensorflow as tf
+
+    return not tf.config.list_logical_devices("GPU")
+
+
+IN_STEP = _numbers_in_step()
 
 # (Host code: once, in the TensorFlow session, but for the numbering, which is
 # checked against each backend's device numbering.)
@@ -152,14 +166,17 @@ def test_the_hosts_numbering_is_the_devices_and_the_ffi_calls(ids, num_rows):
     device = stages._numbered(ops.convert_to_tensor(ids), n, num_rows)
     for mine, theirs in zip(host, device):
         np.testing.assert_array_equal(mine, ops.convert_to_numpy(theirs))
-    if FFI:  # (the same numbering as an FFI call compiled into a step: `number_ffi.cc`)
-        import jax
+    if IN_STEP:  # (the same numbering compiled into a step: FFI call, TensorFlow op)
+        if JAX:
+            import jax
 
-        from sparseopt.backend import jax_native
+            in_step = jax.jit(lambda i: sparseopt.backend.number_ids(i, num_rows))(ids)
+        else:
+            import tensorflow as tf
 
-        ffi = jax.jit(lambda i: jax_native.number_ids(i, num_rows))(ids)
-        assert len(ffi) == 4
-        for mine, theirs in zip(host, ffi):
+            in_step = tf.function(lambda i: sparseopt.backend.number_ids(i, num_rows))(ids)
+        assert len(in_step) == 4
+        for mine, theirs in zip(host, in_step):
             np.testing.assert_array_equal(mine, np.asarray(theirs))
 
 
@@ -180,12 +197,12 @@ def _trained_on_disk(path, steps=6):
     return out
 
 
-def test_a_step_on_disk_numbers_its_ids_in_the_compiled_step_on_jax(tmp_path, monkeypatch):
-    # On JAX on CPU the step's numbering is an FFI call (no Python host call, which
-    # crossed into Python every step); on TensorFlow, and on JAX without the call
-    # (the backend's seam giving none, as with the `disk_number` switch off:
-    # tests/test_native.py checks the switch), the host call numbers them. Counted
-    # through `fit`: the same tables either way, bit for bit.
+def test_a_step_on_disk_numbers_its_ids_in_the_step_not_a_host_call(tmp_path, monkeypatch):
+    # On CPU the step's numbering is compiled into the step (JAX: an FFI call;
+    # TensorFlow: an op), with no Python host call, which crossed into Python every
+    # step; without it (the backend's seam giving none, as with the `disk_number` /
+    # `tf_disk_number` switch off: tests/test_native*.py check the switches), the host
+    # call numbers them. Counted through `fit`: the same tables either way, bit for bit.
     calls = []
     numbered = host_ops.number
 
@@ -195,7 +212,7 @@ def test_a_step_on_disk_numbers_its_ids_in_the_compiled_step_on_jax(tmp_path, mo
 
     monkeypatch.setattr(host_ops, "number", counted)
     ffi_rows = _trained_on_disk(tmp_path / "ffi")
-    assert (len(calls) == 0) == FFI, len(calls)
+    assert (len(calls) == 0) == IN_STEP, len(calls)
     monkeypatch.setattr(sparseopt.backend, "number_ids", lambda ids, num_rows: None)
     host_rows = _trained_on_disk(tmp_path / "host")
     assert len(calls) > 0

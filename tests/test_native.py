@@ -273,7 +273,8 @@ def test_a_failed_build_is_said_once_and_the_pure_path_runs():
         # Flags no build was made with: a fresh key, so a build is attempted.
         "native.FLAGS = native.FLAGS + ('-DSPARSEOPT_TEST_NO_SUCH_BUILD',)\n"
         "print([native.enabled(k) for k in ('bf16_writes', 'dedup', 'rows', 'tf_dedup',\n"
-        "                                    'disk_host') * 2])\n"
+        "                                    'disk_host', 'disk_number', 'tf_disk_number')\n"
+        "       * 2])\n"
         "print(native.build_error() is not None, native.build_error('tensorflow') is not None,\n"
         "      native.build_error('host') is not None)\n"
     )
@@ -281,7 +282,7 @@ def test_a_failed_build_is_said_once_and_the_pure_path_runs():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           check=True)
     out = done.stdout.strip().splitlines()
-    assert out[-2:] == [str([False] * 10), "True True True"]
+    assert out[-2:] == [str([False] * 14), "True True True"]
     assert done.stderr.count("native kernels unavailable, using the pure path") == 1
     assert done.stderr.count("native TensorFlow ops unavailable, using the pure path") == 1
     assert done.stderr.count("native host library unavailable, using the pure path") == 1

@@ -28,9 +28,9 @@ def test_the_op_builds_and_loads_here_and_is_on_by_default():
     """On Linux with a C++ compiler it must (a broken build would only show as a lost
     speed-up); the switch turns it off."""
     assert native.build_error("tensorflow") is None and native.available("tensorflow")
-    assert native.enabled("tf_dedup")
+    assert native.enabled("tf_dedup") and native.enabled("tf_disk_number")
     with native.disabled():
-        assert not native.enabled("tf_dedup")
+        assert not native.enabled("tf_dedup") and not native.enabled("tf_disk_number")
 
 
 def _dedup(record, rows, use_native):

@@ -12,7 +12,8 @@ from sparseopt import compat
 from sparseopt.backend import tensorflow_kernels, tensorflow_native
 from sparseopt.backend.contract import Kernel
 from sparseopt.backend.tensorflow_host import (  # noqa: F401 (the contract's)
-    HOST_CALLS_COMPILE, host_read, host_write, number_ids)
+    HOST_CALLS_COMPILE, host_read, host_write)
+from sparseopt.backend.tensorflow_native import number_ids  # noqa: F401 (the contract's)
 from sparseopt.backend.tensorflow_distinct import (  # noqa: F401 (the contract's)
     WORKSPACE, WORKSPACE_SINK, dedup, dedup_tables, for_distinct_rows, for_listed_rows,
     scratch_workspace, sum_over_distinct_rows, trimmed)

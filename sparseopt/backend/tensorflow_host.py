@@ -46,10 +46,3 @@ def host_write(fn, args):
         return np.zeros((), np.int32)
 
     tf.numpy_function(run, list(args), tf.int32, stateful=True)
-
-
-def number_ids(ids, num_rows):
-    """None: TensorFlow has no native numbering compiled into its step; the host numbers
-    a table on disk's ids (`host_read`)."""
-    del ids, num_rows
-    return None

@@ -29,6 +29,8 @@ as a TensorFlow op on CPU:
   workspace variable (`tf_ops.cc`), in place of the pure path's four to six
   ops, its outputs sized by the distinct ids (measured: 0.52-0.98x the pure
   step in 53 of 56 production cells, 1.02-1.12x in 3).
+- `tf_disk_number` (on by default): `disk_number`'s numbering as an op
+  (`tf_ops.cc`), where a `tf.numpy_function` host call did.
 
 and, for tables on disk (`sparseopt.disk`) on either backend, as a C++ library
 with a C interface, called from the host through ctypes:
@@ -108,9 +110,9 @@ TARGETS = {"sparseopt_dedup_sum": "SparseoptDedupSum",
 
 # Each kernel's default (`SPARSEOPT_NATIVE` unset): on where it was measured faster.
 DEFAULTS = {"bf16_writes": True, "dedup": True, "tf_dedup": True, "rows": True,
-            "disk_host": True, "disk_number": True}
+            "disk_host": True, "disk_number": True, "tf_disk_number": True}
 # Each kernel's framework (its library); the others are JAX's.
-FRAMEWORK = {"tf_dedup": "tensorflow", "disk_host": "host"}
+FRAMEWORK = {"tf_dedup": "tensorflow", "tf_disk_number": "tensorflow", "disk_host": "host"}
 _FORCED = {"1": True, "0": False}
 
 _state = {"enabled": _FORCED.get(os.environ.get("SPARSEOPT_NATIVE", "")),
@@ -139,7 +141,8 @@ def disabled():
 def enabled(kernel):
     """Whether steps traced now use native kernel `kernel` (`"bf16_writes"`, `"dedup"`,
     `"rows"` or `"disk_number"` (a table on disk's step ids numbered by an FFI call) on
-    JAX, `"tf_dedup"` on TensorFlow, `"disk_host"` for tables on disk on either):
+    JAX, `"tf_dedup"` or `"tf_disk_number"` (the same numbering as an op) on TensorFlow,
+    `"disk_host"` for tables on disk on either):
     switched on (or on by default), built and loaded; never while Keras exports a model
     (`model.export`): a SavedModel serves without sparseopt, so it holds no call into
     its kernels (and JAX's export refuses custom calls it does not know)."""

@@ -9,6 +9,10 @@
 // distinct ids and their summed rows. Invalid ids write to the workspace's
 // sink entry `num_rows`, as the pure path's scatter does.
 //
+// A second op, SparseoptNumberIds, numbers a table on disk's step ids inside
+// the step (id_index.h's NumberIds, the host library's code) where a Python
+// host call (`tf.numpy_function`) did.
+//
 // Built by `sparseopt.native.build_tf()` with the system compiler against the
 // headers and library TensorFlow ships (`tf.sysconfig`); loaded with
 // `tf.load_op_library`.
@@ -18,6 +22,7 @@
 #include <vector>
 
 #include "dedup_core.h"
+#include "id_index.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
@@ -151,6 +156,52 @@ REGISTER_KERNEL_BUILDER(
 REGISTER_KERNEL_BUILDER(
     Name("SparseoptDedupSum").Device(DEVICE_CPU).TypeConstraint<int64_t>("Tids"),
     DedupSumOp<int64_t>);
+
+REGISTER_OP("SparseoptNumberIds")
+    .Input("ids: int32")
+    .Attr("num_rows: int")
+    .Output("number: int32")
+    .Output("ids_of: int32")
+    .Output("positions: int32")
+    .Output("count: int32")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      shape_inference::ShapeHandle ids;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &ids));
+      for (int k = 0; k < 3; ++k) c->set_output(k, ids);
+      c->set_output(3, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+A table on disk's step ids numbered in the order of their last occurrence (the
+host library's numbering, id_index.h): each id's number (the size of `ids`
+where it is outside [0, num_rows)), each number's id and last position (0 from
+`count` on), and `count`. Depends on `ids` only: no host call, no state.
+)doc");
+
+class NumberIdsOp : public OpKernel {
+ public:
+  explicit NumberIdsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_rows", &num_rows_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& ids = ctx->input(0);
+    const int64_t n = ids.NumElements();
+    Tensor* out[4];
+    for (int k = 0; k < 3; ++k) {
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(k, ids.shape(), &out[k]));
+    }
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({}), &out[3]));
+    out[3]->scalar<int32_t>()() = static_cast<int32_t>(sparseopt::NumberIds(
+        ids.flat<int32_t>().data(), n, num_rows_, out[0]->flat<int32_t>().data(),
+        out[1]->flat<int32_t>().data(), out[2]->flat<int32_t>().data()));
+  }
+
+ private:
+  int64_t num_rows_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("SparseoptNumberIds").Device(DEVICE_CPU), NumberIdsOp);
 
 }  // namespace
 }  // namespace tensorflow
