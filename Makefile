@@ -72,8 +72,8 @@ TEST_XLA = SPARSEOPT_TEST_XLA_FLAGS="$(TEST_XLA_FLAGS)" XLA_FLAGS="$(TEST_XLA_FL
 # where there is one): left to share them, their thread pools (XLA's, TF's, the
 # child processes') contend: on this 2-core machine, from a fresh clone, the
 # sessions took 10:06 (TensorFlow) and 10:15 (JAX), and `make test` 11:26 with
-# the install; pinned, 9:03 and 9:54, and 10:52. `make test-jax` / `make test-tensorflow` alone pin
-# nothing.
+# the install; pinned, 9:03 and 9:54, and 10:52. `make test-jax` and
+# `make test-tensorflow` alone pin nothing.
 # (JAX's, the longer session, takes the larger half of an odd count; no list, no pin.)
 pin_cpus = $(shell $(PYTHON) -c "import os; c = sorted(os.sched_getaffinity(0)); \
 	h = (len(c) + 1) // 2; print(','.join(map(str, (c[:h], c[h:] or c)[$(1)])))" 2>/dev/null)

@@ -199,9 +199,9 @@ class DiskTable:
     def number(self, ids):
         """The step's valid ids numbered in the order of their last occurrence by the host
         library's code (`sparseopt.engine.stages._Numbering`'s fields: number, ids_of,
-        positions, count), where it is on: on JAX on CPU as an FFI call compiled into the
-        step (`backend.number_ids`), else in a host call; None where it is off (the step
-        numbers them on the device, to the same numbers).
+        positions, count), where it is on: on a CPU in the step itself (`backend.number_ids`:
+        an FFI call on JAX, an op on TensorFlow), else in a host call; None where it is off
+        (the step numbers them on the device, to the same numbers).
 
         Args:
             ids: int32 `[N]`, the step's ids (repeats and invalid ids allowed).
@@ -209,8 +209,8 @@ class DiskTable:
         lib = host_ops.library()  # (as the step is traced: the step keeps it)
         if lib is None:
             return None
-        # (JAX on CPU: the same numbering as an FFI call compiled into the step; the
-        # host call below crossed into Python and back for it, every step.)
+        # (On a CPU the same numbering runs in the step; the host call below crosses
+        # into Python and back for it, every step.)
         numbered = backend.number_ids(ids, self.shape[0])
         if numbered is not None:
             return numbered
