@@ -91,8 +91,8 @@ test-all: $(STAMP)
 
 test-jax: $(STAMP)
 	mkdir -p .pytest_tmp
-	$(JAX_PIN) env $(JAX_CACHE) $(TEST_XLA) KERAS_BACKEND=jax $(BIN)/python -m pytest --basetemp=.pytest_tmp/jax \
-		-m "not backend_independent $(SUITE)" $(PYTEST_ARGS)
+	$(JAX_PIN) env $(JAX_CACHE) $(TEST_XLA) KERAS_BACKEND=jax $(BIN)/python -m pytest \
+		--basetemp=.pytest_tmp/jax -m "not backend_independent $(SUITE)" $(PYTEST_ARGS)
 
 test-tensorflow: $(STAMP)
 	mkdir -p .pytest_tmp
