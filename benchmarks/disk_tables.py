@@ -101,10 +101,10 @@ HOST_NUMBERING = "host numbering"
 
 
 @contextlib.contextmanager
-def numbered_by_ffi(on):
-    """Models built inside number a table on disk's step ids by the FFI call if `on` (where
-    it runs), else in a host call (the backend's seam giving no FFI call, whatever
-    `SPARSEOPT_NATIVE` says)."""
+def numbered_in_step(on):
+    """Models built inside number a table on disk's step ids in the step itself if `on`
+    (where the backend can: an FFI call on JAX, an op on TensorFlow), else in a host call
+    (the backend's seam giving none, whatever `SPARSEOPT_NATIVE` says)."""
     before = seams.number_ids
     if not on:
         seams.number_ids = lambda ids, num_rows: None
@@ -191,7 +191,7 @@ def main():
             if fraction is None:
                 runs[name].append(run(args, None, warm, timed, from_python=bool(ahead)))
                 continue
-            with tempfile.TemporaryDirectory() as folder, numbered_by_ffi(
+            with tempfile.TemporaryDirectory() as folder, numbered_in_step(
                     ahead != HOST_NUMBERING):
                 storage = sparseopt.storage.OnDisk(folder, cache_rows=int(args.rows * fraction),
                                                    fetch_ahead=bool(ahead))

@@ -159,7 +159,7 @@ def test_the_blocks_left_to_reserve_are_numpys_and_the_definitions(ids, row_byte
 @settings(max_examples=40, deadline=None)
 @given(ids=st.lists(st.integers(-2, 30), min_size=1, max_size=120),
        num_rows=st.sampled_from([1, 7, 25]))
-def test_the_hosts_numbering_is_the_devices_and_the_ffi_calls(ids, num_rows):
+def test_the_hosts_numbering_is_the_devices_and_the_steps_own(ids, num_rows):
     ids = np.array(ids, np.int32)
     n = ids.size
     host = host_ops.number(ids, num_rows, native.host_library())
