@@ -79,8 +79,8 @@ def test_the_host_librarys_calls_are_checked_before_they_reach_c():
     lib = host_ops.library()
     assert set(native.HOST_FUNCTIONS) == {
         "so_unique", "so_find", "so_number", "so_gather", "so_unreserved", "so_cache_read",
-        "so_cache_write",
-        "so_cache_insert", "so_stage_flush", "so_cache_flush"}
+        "so_cache_write", "so_cache_insert", "so_cache_uncached", "so_stage_flush",
+        "so_cache_flush"}
     with pytest.raises(TypeError):
         lib.so_stage_flush()
     wide = np.zeros(4, np.int64)
@@ -270,6 +270,48 @@ def test_the_native_cache_changes_what_numpys_changes(tmp_path_factory, ops_, ca
     assert caches[1].files.counts() == caches[0].files.counts()
     for cache in caches:
         cache.files.close()
+
+
+def _apply(cache, op, ids, seed):
+    """One of `cache_ops`' operations on `cache`."""
+    rng = np.random.default_rng(seed)
+    if op == "write":
+        values = {"rows": rng.normal(size=(len(ids), 3)), "acc": rng.uniform(size=len(ids)),
+                  "last": rng.integers(0, 9, len(ids))}
+        cache.write(ids, {n: v.astype(cache.data[n].dtype) for n, v in values.items()})
+    elif op in ("read", "peek"):
+        getattr(cache, op)(ids)
+    else:
+        getattr(cache, op)()
+
+
+@independent
+@settings(max_examples=60, deadline=None)
+@given(ops_=cache_ops, wanted=st.lists(st.integers(0, 39), min_size=1, max_size=12,
+                                       unique=True),
+       at=st.integers(0, 25), cache_rows=st.sampled_from([1, 3, 8, 16]),
+       kind=st.sampled_from(["numpy", "native"]))
+def test_rows_read_ahead_of_their_read_are_what_the_read_finds(tmp_path_factory, ops_, wanted,
+                                                               at, cache_rows, kind):
+    # A shortcut (the cache alone, not `fit`): what may come between a fetch's read of the
+    # files ahead (`preread`) and the read that caches its rows (writes, reads, evictions,
+    # drains, flushes) is drawn here, which no step's order produces at will. The read
+    # given the rows read ahead finds what a look at the rows then finds (`peek`: the
+    # cache, else the files), whatever came between.
+    files = make_files(tmp_path_factory.mktemp("t"))
+    cache = (RowCache(files, cache_rows, ways=2) if kind == "numpy" else
+             NativeRowCache(files, cache_rows, ways=2, lib=native.host_library()))
+    wanted, preread = np.array(wanted, np.int64), None
+    for k, (op, ids, seed) in enumerate(ops_):
+        if k == at:
+            preread = cache.preread(wanted)
+        _apply(cache, op, np.array(ids), seed)
+    preread = preread or cache.preread(wanted)
+    expected = cache.peek(wanted)
+    got = cache.read_distinct(wanted, preread)
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    files.close()
 
 
 @independent

@@ -57,6 +57,10 @@ class Distinct:
     def __init__(self, ids, first, inverse, finder):
         self.ids, self.first, self.inverse, self._finder = ids, first, inverse, finder
 
+    def find(self, wanted):
+        """Int64 indices in `ids` of `wanted` (int64 ids), -1 where absent."""
+        return self._finder(np.ascontiguousarray(wanted, np.int64))
+
     def positions(self, wanted):
         """Int64 indices in `ids` of `wanted` (int64 ids), or None if one is not there."""
         at = self._finder(np.ascontiguousarray(wanted, np.int64))

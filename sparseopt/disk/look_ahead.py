@@ -14,10 +14,12 @@ loop goes on (`Upcoming`, used by `DiskTable`).
 The cache is transparent: which rows it holds changes nothing a step reads
 or writes (a row is in the cache or in the files, never both out of date),
 so a fetch ahead changes when rows are read from the files, not what any
-step computes. The step's own read still finds each row, fetched or not:
-a row fetched ahead and evicted again before its step is read again, a
-batch whose ids the table did not foresee (another loop, a layer whose ids
-are not a function of the model's inputs) is read as without look-ahead.
+step computes. A fetch reads the rows the cache lacks from the files while
+the step before computes (`RowCache.preread`), and caches them once that
+step's rows are written; the step takes its rows as the fetch found them
+where nothing was written since, else reads them through the cache again.
+A batch whose ids the table did not foresee (another loop, a layer whose
+ids are not a function of the model's inputs) is read as without look-ahead.
 
 Keras' JAX trainer itself takes one batch ahead on accelerators
 (`_one_batch_ahead_iterator`): the data is consumed as there. TensorFlow's
@@ -113,7 +115,10 @@ class Upcoming:
 class Foreseen:
     """A batch a table will read: its ids, whether its fetch was started, and once
     fetched (`counted`: its rows were looked up in the cache, and counted there)
-    their `host_ops.Distinct`.
+    their `host_ops.Distinct`, their values as the fetch read them (`found`,
+    `{column: values}`) and what they are current as of (`as_of`: the cache and
+    the table's count of writes then); before its fetch, the rows the cache lacked read
+    from the files (`preread`, a `sparseopt.disk.row_cache.Preread`).
 
     Args:
         ids: int64 `[N]`, the ids as `valid_or_minus_one` gives them.
@@ -121,6 +126,7 @@ class Foreseen:
 
     def __init__(self, ids):
         self.ids, self.started, self.distinct, self.counted = ids, False, None, False
+        self.found = self.as_of = self.preread = None
 
 
 def valid_or_minus_one(ids, num_rows):

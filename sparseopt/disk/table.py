@@ -100,6 +100,9 @@ class DiskTable:
         # The batches `fit` showed ahead, whose rows are fetched beside the step before.
         self._upcoming = Upcoming(self.shape[0])
         self._following = None  # (the next to fetch, once the step's rows are written)
+        # Writes applied to the cache (on the thread beside the step): a fetch's values
+        # are current while none came after it (`_fetched_values`).
+        self._writes = 0
         self._unforeseen = False  # (the batches shown were not what it read: no more)
         # Seconds the step's host calls took, and of those, waiting for the thread
         # beside the step (`health`: where a step on disk spends its time).
@@ -277,13 +280,18 @@ class DiskTable:
         cache, num_rows = self.cache, self.shape[0]
 
         def fetch():
-            entry.distinct = host_ops.distinct(entry.ids, num_rows)
+            if entry.distinct is None:  # (else its rows were read ahead: `_preread`)
+                entry.distinct = host_ops.distinct(entry.ids, num_rows)
             if cache is not self.cache:  # (a load or whole-table work replaced it: let go)
                 return
             try:
                 with cache.lock:
-                    cache.read_distinct(entry.distinct.ids)
+                    found = cache.read_distinct(entry.distinct.ids, entry.preread)
                     cache.counts[AHEAD] += 1
+                entry.preread = None  # (used: the cache no longer tells it what it caches)
+                # The values as they are now: the step's read takes them from here where
+                # nothing was written since (`_fetched_values`), not from the cache again.
+                entry.found, entry.as_of = found, (cache, self._writes)
             except Exception as error:  # noqa: BLE001 (the step reads its rows itself)
                 # A fetch only brings rows into the cache (rows it evicts stay dirty until
                 # written): the table is whole, so the step reads them, and meets a lasting
@@ -295,6 +303,31 @@ class DiskTable:
             entry.counted = True
 
         self._background.submit(fetch)
+
+    def _preread(self, entry):
+        """Reads from the files, on the thread beside the step, the rows of a `Foreseen`
+        batch that the cache does not hold (`RowCache.preread`): its fetch, once the
+        step's rows are written, then only caches them (and finds the others in the cache),
+        so the next step waits for less; and reserves their disk, which the step's write
+        would (`RowFiles.reserve`). Changes nothing in the cache; where it fails, the
+        fetch and the write read and reserve themselves (and meet the cause there)."""
+        cache, num_rows = self.cache, self.shape[0]
+
+        def preread():
+            entry.distinct = host_ops.distinct(entry.ids, num_rows)
+            if cache is not self.cache:
+                return
+            try:
+                with cache.lock:
+                    entry.preread = cache.preread(entry.distinct.ids, entry.distinct.find)
+                    # The step writes its rows: their disk reserved now, off its wait.
+                    cache.files.reserve(entry.distinct.ids)
+            except Exception:  # noqa: BLE001
+                # (The fetch and the step's write then read and reserve these rows
+                # themselves, and log or raise the cause there.)
+                entry.preread = None
+
+        self._background.submit(preread)
 
     def _read_host(self, ids, names, lookup=False):
         self._check_open()
@@ -313,15 +346,19 @@ class DiskTable:
         else:
             found = self._recent(batch.ids)
         if found is None:
-            self._settle(in_step=True)  # (the last write and evictions, applied)
-            found = self._step_read(batch.ids, fetched)
+            found = self._fetched_values(entry) if fetched else None
+            if found is None:
+                self._settle(in_step=True)  # (the last write and evictions, applied)
+                found = self._step_read(batch.ids, fetched)
             with self._recent_lock:
                 self._last_read = (batch, found)
             # The rows this read evicted reach the files while the step runs.
             self._background.submit(self.cache.drain)
         if following is not None:
             # Fetched once this step's rows are written (`write`): a fetch before would
-            # evict rows the step still writes, to be read again.
+            # evict rows the step still writes, to be read again. Its rows the cache
+            # lacks are read from the files now, while the step runs.
+            self._preread(following)
             self._following = following
         return self._gathered(found, batch, ids, names)
 
@@ -341,6 +378,19 @@ class DiskTable:
             values = values.astype(self.carried_dtype(name), copy=False)
             out.append(values.reshape(ids.shape + self.columns[name].tail))
         return tuple(out)
+
+    def _fetched_values(self, entry):
+        """`{column: values}` of a batch's distinct rows as its fetch ahead read them, where
+        they are still current (no write since, the same cache), else None. The step's
+        read then takes them as they are, without finding each row in the cache again
+        (the fetch counted them: the step's read is the next read of the cache).
+
+        Args:
+            entry: the `Foreseen` batch, fetched (its thread's work settled).
+        """
+        if entry.as_of != (self.cache, self._writes):
+            return None
+        return entry.found
 
     def _step_read(self, ids, fetched):
         """A step's read of distinct `ids` through the cache, counted as the step's: rows
@@ -388,6 +438,7 @@ class DiskTable:
         cache, columns, maps = self.cache, list(self.columns), self.files.maps
 
         def write():
+            self._writes += 1  # (values fetched ahead before this are stale now)
             batch = host_ops.distinct(np.where(keep, ids, -1), self.shape[0])
             if batch.ids.size == 0:  # (repeats hold equal values: the first is kept)
                 return

@@ -96,6 +96,7 @@ HOST_FUNCTIONS = {
     "so_cache_read": ((_BYTES, _P64, _I64, _BYTES, _P64), _I64),
     "so_cache_write": ((_BYTES, _P64, _I64, _BYTES, _P64), _I64),
     "so_cache_insert": ((_BYTES, _P64, _P64, _I64, _BYTES, _I64), _I64),
+    "so_cache_uncached": ((_BYTES, _P64, _I64, _P64), _I64),
     "so_stage_flush": ((_BYTES,), _I64),
     "so_cache_flush": ((_BYTES,), _I64),
 }

@@ -18,7 +18,8 @@
 // so_gather     rows of an array by index (-1: zeros);
 // so_unreserved the blocks of a file that rows lie on and that are not yet
 //               reserved on disk (RowFiles.reserve);
-// so_cache_*    RowCache's read, write and insert (set-associative, LRU/LFU),
+// so_cache_*    RowCache's read, write, insert and uncached rows (set-associative,
+//               LRU/LFU),
 //               evicted dirty rows staged for so_stage_flush, which writes
 //               them into the files' memory maps.
 
@@ -269,6 +270,18 @@ int64_t so_cache_read(SoCache* cache, const int64_t* ids, int64_t m, uint8_t** o
 int64_t so_cache_write(SoCache* cache, const int64_t* ids, int64_t m, uint8_t** values,
                        int64_t* missed) {
   return Hits(*cache, ids, m, values, missed, true);
+}
+
+// The indices of distinct `ids` [m] the cache does not hold, into `missed`,
+// changing nothing (no row touched, nothing counted). Returns how many.
+int64_t so_cache_uncached(SoCache* cache, const int64_t* ids, int64_t m, int64_t* missed) {
+  const SoCache& c = *cache;
+  int64_t count = 0;
+  for (int64_t k = 0; k < m; ++k) {
+    if (k + kAhead < m) Prefetch(c, ids[k + kAhead]);
+    if (Find(c, ids[k]) < 0) missed[count++] = k;
+  }
+  return count;
 }
 
 // Caches distinct uncached rows `ids[at[k]]` (k < m) with values row `at[k]`
