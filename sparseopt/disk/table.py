@@ -442,7 +442,10 @@ class DiskTable:
             batch = host_ops.distinct(np.where(keep, ids, -1), self.shape[0])
             if batch.ids.size == 0:  # (repeats hold equal values: the first is kept)
                 return
-            kept = {n: host_ops.gather(v, batch.first) for n, v in values.items()}
+            if batch.ids.size == ids.size:  # (all distinct and kept: `first` is 0, 1, ...)
+                kept = dict(values)
+            else:
+                kept = {n: host_ops.gather(v, batch.first) for n, v in values.items()}
             missing = [n for n in columns if n not in kept]
             if missing:  # columns left out keep their values (a look, not a lookup: uncounted)
                 old = cache.peek(batch.ids)
