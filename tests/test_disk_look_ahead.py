@@ -359,10 +359,10 @@ def test_a_failed_fetch_ahead_is_logged_and_the_step_reads_its_rows(tmp_path, mo
     for cls in (row_cache.RowCache, native_cache.NativeRowCache):
         read = cls.read_distinct
 
-        def failing(self, ids, read=read):
+        def failing(self, ids, preread=None, *, read=read):
             if threading.current_thread().name.startswith("sparseopt disk table"):
                 raise OSError("no fetch here")
-            return read(self, ids)
+            return read(self, ids, preread)
 
         monkeypatch.setattr(cls, "read_distinct", failing)
     model, layers = _model(_disk(tmp_path, "f", HOLDS_ALL, True)[:1], ("input",))
@@ -378,3 +378,24 @@ def test_a_failed_fetch_ahead_is_logged_and_the_step_reads_its_rows(tmp_path, mo
     hits, misses = _expected_counts(batches, "input")
     assert (stats["steps_fetched_ahead"], stats["hits"], stats["misses"]) == (0, hits, misses)
     np.testing.assert_array_equal(_table_values(layers[0]), _table_values(m_layers[0]))
+
+
+def test_a_failed_read_ahead_leaves_the_fetch_to_read_its_rows(tmp_path, monkeypatch):
+    # The rows a fetch reads from the files while the step before runs (`preread`): where
+    # that fails (every time, here), the fetch reads them itself; tables as in memory,
+    # every step's rows still fetched ahead.
+    from sparseopt.disk import row_cache
+
+    def failing(self, ids, find=None):
+        raise OSError("no read ahead here")
+
+    monkeypatch.setattr(row_cache.RowCache, "preread", failing)
+    model, layers = _model(_disk(tmp_path, "p", 8, True)[:1], ("input",))
+    memory, m_layers = _model([None], ("input",))
+    _start_alike(memory, m_layers, model, layers)
+    batches = _batches(6, batch=16, seed=7)
+    x, y = _joined(batches)
+    for m in (model, memory):
+        m.fit(x, y[:, :1], batch_size=16, shuffle=False, verbose=0)
+    _assert_as_in_memory(layers[0], m_layers[0], memory)
+    assert layers[0].disk_stats()["steps_fetched_ahead"] == 6 - (not JAX)

@@ -315,6 +315,35 @@ def test_rows_read_ahead_of_their_read_are_what_the_read_finds(tmp_path_factory,
 
 
 @independent
+@pytest.mark.parametrize("kind", ["numpy", "native"])
+def test_a_read_takes_the_rows_read_ahead_and_reads_again_only_rows_cached_since(
+        tmp_path, monkeypatch, kind):
+    # A shortcut (the cache alone), as above: which rows a read takes from those read
+    # ahead, seen by what it reads from the files.
+    files = make_files(tmp_path)
+    cache = (RowCache(files, 2, ways=2) if kind == "numpy" else
+             NativeRowCache(files, 2, ways=2, lib=native.host_library()))
+    rng = np.random.default_rng(0)
+    files.write(np.arange(10), {"rows": rng.normal(size=(10, 3)).astype(np.float32),
+                                "acc": np.zeros(10, files.maps["acc"].dtype),
+                                "last": np.arange(10, dtype=np.int32)})
+    wanted = np.array([1, 2, 3, 4], np.int64)
+    preread = cache.preread(wanted)  # (none cached: all four read from the files)
+    cache.read(np.array([3]))  # row 3 cached since,
+    cache.read(np.array([5, 6]))  # and evicted again (a cache of 2 rows)
+    expected = cache.peek(wanted)
+    asked = []
+    read = files.read
+    monkeypatch.setattr(files, "read", lambda ids, counted=True: (
+        asked.extend(np.asarray(ids).tolist()), read(ids, counted))[1])
+    got = cache.read_distinct(wanted, preread)
+    assert asked == [3]  # (the others from the read ahead)
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    files.close()
+
+
+@independent
 def test_a_staged_row_is_read_back_from_the_stage_never_stale_files(tmp_path):
     """An evicted dirty row waits in the stage until drained; a miss of it must not read
     the files' old values."""

@@ -67,8 +67,10 @@ class RowCache:
         self.tick = np.zeros((1,), np.int64)  # (arrays: the native cache writes them too)
         self.counts = np.zeros((4,), np.int64)  # HITS, MISSES, AHEAD, MISSED_AT_STEP
         self.lock = threading.RLock()
-        # The `Preread`s not yet used: each insert tells them the rows it caches.
-        self._prereads = weakref.WeakSet()
+        # Weak references to the `Preread`s not yet used: each insert tells them the rows
+        # it caches. (A list changed under the lock only: a `WeakSet` drops entries on
+        # whichever thread lets one go.)
+        self._prereads = []
 
     @property
     def stats(self):
@@ -155,15 +157,18 @@ class RowCache:
             self.drain()  # (a staged row is in neither the cache nor the files)
             uncached = self._uncached(ids)
             preread = Preread(self, ids, uncached, self.files.read(ids[uncached]), find)
-            self._prereads.add(preread)
+            self._prereads.append(weakref.ref(preread))
             return preread
 
     def _inserting(self, ids):
         """Before rows `ids` are cached: the prereads holding them let them go (a row
         cached may be written, then evicted into the files: its value read ahead is then
         stale)."""
-        for preread in list(self._prereads):
-            preread.spoil(ids)
+        live = [(ref, ref()) for ref in self._prereads]
+        self._prereads = [ref for ref, preread in live if preread is not None]
+        for _, preread in live:
+            if preread is not None:
+                preread.spoil(ids)
 
     def _uncached(self, ids):
         """Int64 indices of distinct `ids` the cache does not hold (nothing changed)."""
@@ -180,7 +185,8 @@ class RowCache:
         """
         if preread is None:
             return self.files.read(ids[missed])
-        self._prereads.discard(preread)  # (used once)
+        # (Used once: no insert need tell it more.)
+        self._prereads = [ref for ref in self._prereads if ref() not in (preread, None)]
         held = preread.held(self, missed, ids.size)
         if held.all():
             return preread.rows(missed)

@@ -308,24 +308,20 @@ class DiskTable:
         """Reads from the files, on the thread beside the step, the rows of a `Foreseen`
         batch that the cache does not hold (`RowCache.preread`): its fetch, once the
         step's rows are written, then only caches them (and finds the others in the cache),
-        so the next step waits for less; and reserves their disk, which the step's write
-        would (`RowFiles.reserve`). Changes nothing in the cache; where it fails, the
-        fetch and the write read and reserve themselves (and meet the cause there)."""
+        so the next step waits for less. Changes nothing in the cache (nor the disk
+        reserved: the batch may never be trained); where it fails, the fetch reads the
+        rows itself (and meets the cause there)."""
         cache, num_rows = self.cache, self.shape[0]
 
         def preread():
-            entry.distinct = host_ops.distinct(entry.ids, num_rows)
             if cache is not self.cache:
                 return
             try:
-                with cache.lock:
-                    entry.preread = cache.preread(entry.distinct.ids, entry.distinct.find)
-                    # The step writes its rows: their disk reserved now, off its wait.
-                    cache.files.reserve(entry.distinct.ids)
+                entry.distinct = host_ops.distinct(entry.ids, num_rows)
+                entry.preread = cache.preread(entry.distinct.ids, entry.distinct.find)
             except Exception:  # noqa: BLE001
-                # (The fetch and the step's write then read and reserve these rows
-                # themselves, and log or raise the cause there.)
-                entry.preread = None
+                # (The fetch then reads these rows itself, and logs the cause there.)
+                entry.distinct = entry.preread = None
 
         self._background.submit(preread)
 
