@@ -64,7 +64,7 @@ class Distinct:
 
     def positions(self, wanted):
         """Int64 indices in `ids` of `wanted` (int64 ids), or None if one is not there."""
-        at = self._finder(np.ascontiguousarray(wanted, np.int64))
+        at = self.find(wanted)
         return None if (at < 0).any() else at
 
 

@@ -23,6 +23,7 @@ import weakref
 
 import numpy as np
 
+from sparseopt.disk import host_ops
 from sparseopt.disk.initial_rows import mix
 
 POLICIES = ("lru", "lfu")
@@ -151,11 +152,13 @@ class RowCache:
         Args:
             ids: int64 `[M]` distinct rows of the table.
             find: a function of int64 ids giving their indices in `ids` (-1 where
-                absent), such as `host_ops.Distinct.find`; None: a sorted search.
+                absent), such as `host_ops.Distinct.find`; None: the ids' own
+                (`host_ops.distinct`, which keeps distinct ids in their order).
         """
         with self.lock:
             self.drain()  # (a staged row is in neither the cache nor the files)
             uncached = self._uncached(ids)
+            find = find or host_ops.distinct(ids, self.files.num_rows).find
             preread = Preread(self, ids, uncached, self.files.read(ids[uncached]), find)
             self._prereads.append(weakref.ref(preread))
             return preread
@@ -319,15 +322,14 @@ class Preread:
         ids: int64 `[M]`, the distinct ids asked for.
         uncached: int64 indices into `ids` of the rows not cached then.
         values: `{column: values}` of those rows, as stored.
-        find: a function of int64 ids giving their indices in `ids` (-1: absent), or
-            None (a sorted search).
+        find: a function of int64 ids giving their indices in `ids` (-1: absent).
     """
 
-    def __init__(self, cache, ids, uncached, values, find=None):
+    def __init__(self, cache, ids, uncached, values, find):
         self.cache, self.values, self.size = cache, values, ids.size
         self._row = np.full((ids.size,), -1, np.int64)  # (each id's row in `values`, or -1)
         self._row[uncached] = np.arange(uncached.size)
-        self._find = find or _sorted_search(ids)
+        self._find = find
 
     def spoil(self, ids):
         """Lets go of the values of rows `ids` (int64; others are ignored)."""
@@ -346,16 +348,3 @@ class Preread:
         at = self._row[missed]
         return {name: values[at] for name, values in self.values.items()}
 
-
-def _sorted_search(ids):
-    """A function of int64 ids giving their indices in distinct `ids` (-1: absent)."""
-    order = np.argsort(ids, kind="stable")
-    ordered = ids[order]
-
-    def find(wanted):
-        if ordered.size == 0:
-            return np.full(wanted.shape, -1, np.int64)
-        at = np.minimum(np.searchsorted(ordered, wanted), ordered.size - 1)
-        return np.where(ordered[at] == wanted, order[at], -1)
-
-    return find
