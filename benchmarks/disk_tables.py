@@ -31,12 +31,10 @@ were fetched ahead is printed. (Open vocabularies fetch in the step: their
 rows follow from their map.) On TensorFlow, whose `fit` takes its batches
 in Python where a table fetches ahead, one more run beside them: the table
 in memory with its batches taken so too, and nothing fetched (what taking
-the batches in Python costs alone). And two more on both, each the 5% cache
+the batches in Python costs alone). And one more on both, the 5% cache
 fetched ahead as before one change: its step's ids numbered in a Python host
 call, as before the step numbered them itself (an XLA FFI call on JAX, an op on
-TensorFlow); and its fetch in one part, as before the fetch read the rows the
-cache lacks while the step before ran and the step took its rows as the fetch
-read them (`DiskTable._preread`, `DiskTable._fetched_values` switched off).
+TensorFlow).
 
 The files are in a temporary folder: on a machine whose page cache holds
 them, "disk" bytes are copies to and from the kernel's pages, not device I/O.
@@ -117,28 +115,6 @@ def numbered_in_step(on):
         seams.number_ids = before
 
 
-# A table fetched ahead as before the fetch read its rows in two parts: the rows the cache
-# lacks read from the files only once the step before has written its rows, and the step
-# finding its rows in the cache again (`DiskTable._preread`, `DiskTable._fetched_values`).
-ONE_PART = "one part"
-
-
-@contextlib.contextmanager
-def fetched_in_two_parts(on):
-    """Tables on disk fetch ahead as they do if `on`, else as before: in one part, after the
-    step before's write, and the step reading its rows through the cache again."""
-    from sparseopt.disk.table import DiskTable
-
-    before = DiskTable._preread, DiskTable._fetched_values
-    if not on:
-        DiskTable._preread = lambda self, entry: None
-        DiskTable._fetched_values = lambda self, entry: None
-    try:
-        yield
-    finally:
-        DiskTable._preread, DiskTable._fetched_values = before
-
-
 def run(args, storage, warm, timed, from_python=False):
     """One model trained `warm`, then timed on `timed`: its step and cache counts.
 
@@ -208,8 +184,6 @@ def main():
         tables.append(("disk 5% in step", 0.05, False))
         # (the step's ids numbered in a host call: as before it numbered them itself)
         tables.append(("disk 5% host numbering", 0.05, HOST_NUMBERING))
-        # (the fetch ahead in one part, after the step before's write: as before)
-        tables.append(("disk 5% one part", 0.05, ONE_PART))
         if backend == "tensorflow":
             tables.append(("memory from Python", None, "python"))
     runs = {name: [] for name, _, _ in tables}
@@ -219,7 +193,7 @@ def main():
                 runs[name].append(run(args, None, warm, timed, from_python=bool(ahead)))
                 continue
             with tempfile.TemporaryDirectory() as folder, numbered_in_step(
-                    ahead != HOST_NUMBERING), fetched_in_two_parts(ahead != ONE_PART):
+                    ahead != HOST_NUMBERING):
                 storage = sparseopt.storage.OnDisk(folder, cache_rows=int(args.rows * fraction),
                                                    fetch_ahead=bool(ahead))
                 runs[name].append(run(args, storage, warm, timed))
@@ -238,9 +212,6 @@ def main():
         elif ahead == HOST_NUMBERING:
             label += (f", {row['fetched_ahead']:.0%} fetched ahead, its ids numbered in a host "
                       "call (not in the step)")
-        elif ahead == ONE_PART:
-            label += (f", {row['fetched_ahead']:.0%} fetched ahead in one part, after the "
-                      "step before's write (as before)")
         elif ahead and fraction is not None and not args.vocabulary:
             label += f", {row['fetched_ahead']:.0%} of steps' rows fetched ahead"
         stats = ("| | | | |" if fraction is None else

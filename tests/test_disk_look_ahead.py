@@ -177,10 +177,11 @@ def _assert_as_in_memory(disk_layer, memory_layer, memory):
 
 
 def test_a_cache_smaller_than_a_step_serves_the_step_the_rows_its_fetch_read(tmp_path):
-    # A cache smaller than one step's rows: the fetch ahead evicts rows it fetched itself,
-    # and the step's write evicts others. The step takes its rows as the fetch read them
-    # (nothing was written since: they are current), not from the cache or the files
-    # again; each write finds its rows wherever they are. Tables as in memory.
+    # A cache smaller than one step's rows: the fetch ahead evicts rows it fetched itself
+    # and rows the step before still writes, and that write evicts others. The step takes
+    # its rows as the fetch read them, brought up to date by the write after it, not from
+    # the cache or the files again; each write finds its rows wherever they are. Tables
+    # as in memory.
     steps = 8
     batches = _batches(steps, batch=16, seed=1)
     x, y = _joined(batches)
@@ -199,11 +200,11 @@ def test_a_cache_smaller_than_a_step_serves_the_step_the_rows_its_fetch_read(tmp
         assert stats["missed_at_step"] == first, stats
 
 
-def test_rows_written_between_their_fetch_and_their_step_are_read_again(tmp_path):
-    # Lookahead's sync writes rows after the step's own write, once the next step's rows
-    # were fetched: the fetch's values of those rows are stale, so the next step reads
-    # its rows from the cache again (counted as hits: the cache holds them all). Tables
-    # and state as in memory, bit for bit.
+def test_rows_written_between_their_fetch_and_their_step_are_brought_up_to_date(tmp_path):
+    # The next step's rows are fetched while the step computes: the step's write, and
+    # Lookahead's sync after it, write rows the fetch found; each brings the fetch's
+    # values of those rows up to date, and the next step takes them (counted once, at
+    # the fetch: the cache holds them all). Tables and state as in memory, bit for bit.
     steps = 9
     batches = _batches(steps, seed=2)
     x, y = _joined(batches)
@@ -359,10 +360,10 @@ def test_a_failed_fetch_ahead_is_logged_and_the_step_reads_its_rows(tmp_path, mo
     for cls in (row_cache.RowCache, native_cache.NativeRowCache):
         read = cls.read_distinct
 
-        def failing(self, ids, preread=None, *, read=read):
+        def failing(self, ids, *, read=read):
             if threading.current_thread().name.startswith("sparseopt disk table"):
                 raise OSError("no fetch here")
-            return read(self, ids, preread)
+            return read(self, ids)
 
         monkeypatch.setattr(cls, "read_distinct", failing)
     model, layers = _model(_disk(tmp_path, "f", HOLDS_ALL, True)[:1], ("input",))
@@ -378,24 +379,3 @@ def test_a_failed_fetch_ahead_is_logged_and_the_step_reads_its_rows(tmp_path, mo
     hits, misses = _expected_counts(batches, "input")
     assert (stats["steps_fetched_ahead"], stats["hits"], stats["misses"]) == (0, hits, misses)
     np.testing.assert_array_equal(_table_values(layers[0]), _table_values(m_layers[0]))
-
-
-def test_a_failed_read_ahead_leaves_the_fetch_to_read_its_rows(tmp_path, monkeypatch):
-    # The rows a fetch reads from the files while the step before runs (`preread`): where
-    # that fails (every time, here), the fetch reads them itself; tables as in memory,
-    # every step's rows still fetched ahead.
-    from sparseopt.disk import row_cache
-
-    def failing(self, ids, find=None):
-        raise OSError("no read ahead here")
-
-    monkeypatch.setattr(row_cache.RowCache, "preread", failing)
-    model, layers = _model(_disk(tmp_path, "p", 8, True)[:1], ("input",))
-    memory, m_layers = _model([None], ("input",))
-    _start_alike(memory, m_layers, model, layers)
-    batches = _batches(6, batch=16, seed=7)
-    x, y = _joined(batches)
-    for m in (model, memory):
-        m.fit(x, y[:, :1], batch_size=16, shuffle=False, verbose=0)
-    _assert_as_in_memory(layers[0], m_layers[0], memory)
-    assert layers[0].disk_stats()["steps_fetched_ahead"] == 6 - (not JAX)

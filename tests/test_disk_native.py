@@ -25,6 +25,8 @@ import sparseopt
 from sparseopt import native
 from sparseopt.disk import host_ops
 from sparseopt.disk.background import Background
+from sparseopt.disk.initial_rows import InitialRows
+from sparseopt.disk.look_ahead import Foreseen
 from sparseopt.disk.native_cache import NativeRowCache, make_cache
 from sparseopt.disk.row_cache import RowCache
 from sparseopt.disk.row_files import Column, RowFiles
@@ -79,7 +81,7 @@ def test_the_host_librarys_calls_are_checked_before_they_reach_c():
     lib = host_ops.library()
     assert set(native.HOST_FUNCTIONS) == {
         "so_unique", "so_find", "so_number", "so_gather", "so_unreserved", "so_cache_read",
-        "so_cache_write", "so_cache_insert", "so_cache_uncached", "so_stage_flush",
+        "so_cache_write", "so_cache_insert", "so_stage_flush", "so_uniform",
         "so_cache_flush"}
     with pytest.raises(TypeError):
         lib.so_stage_flush()
@@ -130,17 +132,40 @@ def test_gather_is_numpys(index, dtype):
 
 
 @independent
+@settings(max_examples=40, deadline=None)
+@given(ids=st.lists(st.integers(0, 2**40), max_size=40), width=st.integers(1, 20),
+       low=st.floats(-1e3, 1e3), span=st.floats(1e-6, 1e3), seed=st.integers(0, 2**63 - 1),
+       kind=st.sampled_from([float, np.float32, int]))
+def test_uniform_initial_rows_are_numpys_bit_for_bit(ids, width, low, span, seed, kind):
+    # Bounds as a user gives them: floats, NumPy float32s (Keras keeps them: the NumPy
+    # draw subtracts them in float32), ints. (Spans tiny beside their bounds round many
+    # values to `maxval` in float32: kept below it.)
+    low, high = kind(low), kind(low + span) if kind is not int else int(low) + 1 + int(span)
+    init = keras.initializers.RandomUniform(low, high, seed=seed)
+    ids = np.array(ids, np.int64)
+    assert host_ops.uniform(ids, width, 0, 0.0, 1.0, np.float32(0.5)) is not None
+    mine = InitialRows(init, width)(ids)
+    with native.disabled():
+        assert host_ops.uniform(ids, width, 0, 0.0, 1.0, np.float32(0.5)) is None
+        numpy_ = InitialRows(init, width)(ids)
+    np.testing.assert_array_equal(mine.view(np.uint32), numpy_.view(np.uint32))
+
+
+@independent
 @settings(max_examples=60, deadline=None)
 @given(ids=st.lists(st.integers(0, 199), max_size=60),
        row_bytes=st.sampled_from([0, 4, 12, 64, 100, 300]),
        block_bytes=st.sampled_from([64, 256]),
-       reserved=st.lists(st.booleans(), min_size=300, max_size=300))
+       share=st.sampled_from([0.0, 0.1, 0.5, 0.9, 1.0]), seed=st.integers(0, 2**32 - 1))
 def test_the_blocks_left_to_reserve_are_numpys_and_the_definitions(ids, row_bytes,
-                                                                    block_bytes, reserved):
+                                                                    block_bytes, share, seed):
     """Rows of any width against blocks of any size (a row on one block, on two, a row
-    wider than a block), and the written-rows bitmap (`row_bytes` 0: a bit per row)."""
+    wider than a block), and the written-rows bitmap (`row_bytes` 0: a bit per row), a
+    `share` of the blocks reserved. (The blocks reserved drawn from a seed: a list of
+    hundreds of booleans drawn by Hypothesis took it half a second an example.)"""
     ids = np.array(ids, np.int64)
-    reserved = np.array(reserved * (1 + 200 * max(row_bytes, 1) // block_bytes // 300))
+    blocks = 300 * (1 + 200 * max(row_bytes, 1) // block_bytes // 300)
+    reserved = np.random.default_rng(seed).random(blocks) < share
     mine = host_ops.unreserved(ids, row_bytes, block_bytes, reserved)
     with native.disabled():
         numpy_ = host_ops.unreserved(ids, row_bytes, block_bytes, reserved)
@@ -273,16 +298,28 @@ def test_the_native_cache_changes_what_numpys_changes(tmp_path_factory, ops_, ca
 
 
 def _apply(cache, op, ids, seed):
-    """One of `cache_ops`' operations on `cache`."""
+    """One of `cache_ops`' operations on `cache`; a write's `(ids, values)`, else None."""
     rng = np.random.default_rng(seed)
     if op == "write":
         values = {"rows": rng.normal(size=(len(ids), 3)), "acc": rng.uniform(size=len(ids)),
                   "last": rng.integers(0, 9, len(ids))}
-        cache.write(ids, {n: v.astype(cache.data[n].dtype) for n, v in values.items()})
-    elif op in ("read", "peek"):
+        values = {n: v.astype(cache.data[n].dtype) for n, v in values.items()}
+        cache.write(ids, values)
+        return ids.astype(np.int64), values
+    if op in ("read", "peek"):
         getattr(cache, op)(ids)
     else:
         getattr(cache, op)()
+    return None
+
+
+def _fetched(cache, ids):
+    """A `Foreseen` batch of distinct `ids`, fetched through `cache` as a table's fetch
+    ahead fetches it (`DiskTable._fetch`)."""
+    entry = Foreseen(ids)
+    entry.distinct = host_ops.distinct(ids, 40)
+    entry.found = cache.read_distinct(entry.distinct.ids)
+    return entry
 
 
 @independent
@@ -291,55 +328,27 @@ def _apply(cache, op, ids, seed):
                                        unique=True),
        at=st.integers(0, 25), cache_rows=st.sampled_from([1, 3, 8, 16]),
        kind=st.sampled_from(["numpy", "native"]))
-def test_rows_read_ahead_of_their_read_are_what_the_read_finds(tmp_path_factory, ops_, wanted,
-                                                               at, cache_rows, kind):
-    # A shortcut (the cache alone, not `fit`): what may come between a fetch's read of the
-    # files ahead (`preread`) and the read that caches its rows (writes, reads, evictions,
-    # drains, flushes) is drawn here, which no step's order produces at will. The read
-    # given the rows read ahead finds what a look at the rows then finds (`peek`: the
-    # cache, else the files), whatever came between.
+def test_values_fetched_ahead_and_brought_up_to_date_by_the_writes_after_are_current(
+        tmp_path_factory, ops_, wanted, at, cache_rows, kind):
+    # A shortcut (the cache alone, not `fit`): what may come between a fetch ahead and the
+    # read that takes its values (writes, reads, evictions, drains, flushes) is drawn
+    # here, which no step's order produces at will. The values the fetch found, each
+    # write after brought up to date (`Foreseen.take_written`, as a table's writes do),
+    # are what a look at the rows then finds (`peek`: the cache, else the files).
     files = make_files(tmp_path_factory.mktemp("t"))
     cache = (RowCache(files, cache_rows, ways=2) if kind == "numpy" else
              NativeRowCache(files, cache_rows, ways=2, lib=native.host_library()))
-    wanted, preread = np.array(wanted, np.int64), None
+    wanted, entry = np.array(wanted, np.int64), None
     for k, (op, ids, seed) in enumerate(ops_):
         if k == at:
-            preread = cache.preread(wanted)
-        _apply(cache, op, np.array(ids), seed)
-    preread = preread or cache.preread(wanted)
+            entry = _fetched(cache, wanted)
+        written = _apply(cache, op, np.array(ids), seed)
+        if entry is not None and written is not None:
+            entry.take_written(*written)
+    entry = entry or _fetched(cache, wanted)
     expected = cache.peek(wanted)
-    got = cache.read_distinct(wanted, preread)
     for name in expected:
-        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
-    files.close()
-
-
-@independent
-@pytest.mark.parametrize("kind", ["numpy", "native"])
-def test_a_read_takes_the_rows_read_ahead_and_reads_again_only_rows_cached_since(
-        tmp_path, monkeypatch, kind):
-    # A shortcut (the cache alone), as above: which rows a read takes from those read
-    # ahead, seen by what it reads from the files.
-    files = make_files(tmp_path)
-    cache = (RowCache(files, 2, ways=2) if kind == "numpy" else
-             NativeRowCache(files, 2, ways=2, lib=native.host_library()))
-    rng = np.random.default_rng(0)
-    files.write(np.arange(10), {"rows": rng.normal(size=(10, 3)).astype(np.float32),
-                                "acc": np.zeros(10, files.maps["acc"].dtype),
-                                "last": np.arange(10, dtype=np.int32)})
-    wanted = np.array([1, 2, 3, 4], np.int64)
-    preread = cache.preread(wanted)  # (none cached: all four read from the files)
-    cache.read(np.array([3]))  # row 3 cached since,
-    cache.read(np.array([5, 6]))  # and evicted again (a cache of 2 rows)
-    expected = cache.peek(wanted)
-    asked = []
-    read = files.read
-    monkeypatch.setattr(files, "read", lambda ids, counted=True: (
-        asked.extend(np.asarray(ids).tolist()), read(ids, counted))[1])
-    got = cache.read_distinct(wanted, preread)
-    assert asked == [3]  # (the others from the read ahead)
-    for name in expected:
-        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+        np.testing.assert_array_equal(entry.found[name], expected[name], err_msg=name)
     files.close()
 
 

@@ -139,6 +139,32 @@ def gather(source, index):
     return out
 
 
+def uniform(ids, width, key, minval, span, high):
+    """float32 `[M, width]`: the initial values of rows `ids` of a `RandomUniform` table, by
+    the host library (`initial_rows.InitialRows`' NumPy draw, bit for bit); None where the
+    library is off.
+
+    Args:
+        ids: int64 `[M]` rows.
+        width: the table's width.
+        key: uint64, the draw's key (`initial_rows.draw_key`).
+        minval: the initializer's lower bound.
+        span: `maxval - minval` as the NumPy draw works it out (in the bounds' own
+            type: float32 bounds subtract in float32).
+        high: float32, the largest value drawn (just below `maxval`).
+    """
+    lib = library()
+    if lib is None:
+        return None
+    ids = np.ascontiguousarray(ids, np.int64)
+    out = np.empty((ids.size, int(width)), np.float32)
+    lib.so_uniform(ptr(ids), ctypes.c_int64(ids.size), ctypes.c_int64(width),
+                   ctypes.c_uint64(int(key)), ctypes.c_double(float(minval)),
+                   ctypes.c_double(float(span)), ctypes.c_float(float(high)),
+                   ctypes.c_void_p(out.ctypes.data))
+    return out
+
+
 def unreserved(ids, row_bytes, block_bytes, reserved):
     """The blocks of `block_bytes` of a file that rows `ids` lie on and that `reserved` does
     not hold: int64, sorted, each once (`sparseopt.disk.row_files.RowFiles.reserve`).

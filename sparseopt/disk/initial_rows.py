@@ -18,6 +18,8 @@ The distributions are Keras' (`RandomUniform`, `RandomNormal`,
 import keras
 import numpy as np
 
+from sparseopt.disk import host_ops
+
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -35,6 +37,13 @@ def mix(values):
         return z ^ (z >> np.uint64(31))
 
 
+def draw_key(seed, stream):
+    """The uint64 key of draw `stream` of a table of `seed` (`uniform01`'s)."""
+    with np.errstate(over="ignore"):
+        return (mix(np.asarray([seed], np.uint64))
+                ^ mix(np.asarray([stream + 1], np.uint64) * _M1))[0]
+
+
 def uniform01(seed, stream, counters):
     """float64 in `[0, 1)` from `(seed, stream, counter)`: 53 bits of the mixed word.
 
@@ -43,9 +52,7 @@ def uniform01(seed, stream, counters):
         stream: int, which draw (0: the first uniform, 1: the second, ...).
         counters: uint64 array, one per value (`row * width + column`).
     """
-    with np.errstate(over="ignore"):
-        key = mix(np.asarray([seed], np.uint64)) ^ mix(np.asarray([stream + 1], np.uint64) * _M1)
-        words = mix(counters.astype(np.uint64) ^ key)
+    words = mix(counters.astype(np.uint64) ^ draw_key(seed, stream))
     return (words >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
@@ -96,24 +103,31 @@ class InitialRows:
     def __call__(self, ids):
         """float32 `[M, width]`: the initial values of rows `ids` (int `[M]`)."""
         ids = np.asarray(ids, np.int64).reshape(-1)
-        counters = (ids[:, None].astype(np.uint64) * np.uint64(self.width)
-                    + np.arange(self.width, dtype=np.uint64)[None, :])
         init = self.initializer
+        if not isinstance(init, (keras.initializers.RandomUniform, keras.initializers.RandomNormal,
+                                 keras.initializers.TruncatedNormal)):  # (a constant)
+            value = {keras.initializers.Zeros: 0.0, keras.initializers.Ones: 1.0}.get(
+                type(init), getattr(init, "value", 0.0))
+            return np.full((ids.size, self.width), value, np.float64).astype(np.float32)
         if isinstance(init, keras.initializers.RandomUniform):
-            u = uniform01(self.seed, 0, counters)
-            values = init.minval + (init.maxval - init.minval) * u
             # (float32 could round a value just below maxval up to it.)
             high = np.nextafter(np.float32(init.maxval), np.float32(init.minval))
+            span = init.maxval - init.minval  # (as below: float32 bounds, in float32)
+            drawn = host_ops.uniform(ids, self.width, draw_key(self.seed, 0), init.minval,
+                                     span, high)
+            if drawn is not None:  # (the host library's loop: the same values, bit for bit)
+                return drawn
+        counters = (ids[:, None].astype(np.uint64) * np.uint64(self.width)
+                    + np.arange(self.width, dtype=np.uint64)[None, :])
+        if isinstance(init, keras.initializers.RandomUniform):
+            u = uniform01(self.seed, 0, counters)
+            values = init.minval + span * u
             values = np.minimum(values.astype(np.float32), high)
         elif isinstance(init, keras.initializers.TruncatedNormal):
             values = self._truncated(counters)
             values = init.mean + init.stddev * values
-        elif isinstance(init, keras.initializers.RandomNormal):
+        else:
             values = init.mean + init.stddev * _normal(self.seed, 0, counters)
-        else:  # Zeros, Ones, Constant
-            value = {keras.initializers.Zeros: 0.0, keras.initializers.Ones: 1.0}.get(
-                type(init), getattr(init, "value", 0.0))
-            values = np.full(counters.shape, value, np.float64)
         return values.astype(np.float32)
 
     def _truncated(self, counters):

@@ -7,17 +7,19 @@ one step early (`compat.batches_seen_ahead`: the batch after the one a step
 trains on is taken from the data when that step's batch is), each table on
 disk works out the rows that batch will read (`RowsOf`: the model's own
 layers between its inputs and the table's layer, run on the batch), and
-the table's thread beside the step brings them into the cache once the
-current step has handed it its new rows, while that step ends and Keras'
-loop goes on (`Upcoming`, used by `DiskTable`).
+the table's thread beside the step brings them into the cache as soon as
+the current step has read its own, while that step computes (`Upcoming`,
+used by `DiskTable`).
 
 The cache is transparent: which rows it holds changes nothing a step reads
 or writes (a row is in the cache or in the files, never both out of date),
 so a fetch ahead changes when rows are read from the files, not what any
-step computes. A fetch reads the rows the cache lacks from the files while
-the step before computes (`RowCache.preread`), and caches them once that
-step's rows are written; the step takes its rows as the fetch found them
-where nothing was written since, else reads them through the cache again.
+step computes. The fetch keeps the values it found; the step before writes
+its rows after the fetch, and each write brings the fetch's values of the
+rows it writes up to date (`Foreseen.take_written`), so the step takes its
+rows as they are, without finding them in the cache again. (A fetch may evict
+rows the step before still writes: that write caches them again, and a row
+is in the cache or in the files, never lost.)
 A batch whose ids the table did not foresee (another loop, a layer whose
 ids are not a function of the model's inputs) is read as without look-ahead.
 
@@ -48,10 +50,9 @@ class Upcoming:
     """The batches a table will read next, oldest first, each fetched ahead in turn.
 
     The read of a batch names the next one to fetch (`reached`); the table
-    starts that fetch once the step's rows are written (before, it would evict
-    rows the step still writes). It runs on the table's thread beside the
-    step; the read of that batch waits for it like any work there, and takes
-    its distinct ids from it.
+    starts that fetch then, on its thread beside the step, while the step
+    computes. The read of that batch waits for it like any work there, and
+    takes its distinct ids and values from it.
 
     Args:
         num_rows: the table's rows (ids outside are never fetched).
@@ -76,7 +77,7 @@ class Upcoming:
         with self._lock:
             self._batches.append(entry)
             while len(self._batches) > KEPT:
-                self._batches.popleft()
+                self._batches.popleft().dropped = True
                 self.overflowed = True
             if len(self._batches) == 1:
                 entry.started = True
@@ -98,8 +99,9 @@ class Upcoming:
             if found is None:
                 return None, None
             entry = self._batches[found]
-            for _ in range(found + 1):
-                self._batches.popleft()
+            for _ in range(found):  # (never read: no write need bring them up to date)
+                self._batches.popleft().dropped = True
+            self._batches.popleft()
             following = self._batches[0] if self._batches else None
             if following is None or following.started:
                 return entry, None
@@ -109,6 +111,8 @@ class Upcoming:
     def clear(self):
         """Forgets every batch foreseen (a load, a new cache)."""
         with self._lock:
+            for entry in self._batches:
+                entry.dropped = True
             self._batches.clear()
 
 
@@ -116,9 +120,10 @@ class Foreseen:
     """A batch a table will read: its ids, whether its fetch was started, and once
     fetched (`counted`: its rows were looked up in the cache, and counted there)
     their `host_ops.Distinct`, their values as the fetch read them (`found`,
-    `{column: values}`) and what they are current as of (`as_of`: the cache and
-    the table's count of writes then); before its fetch, the rows the cache lacked read
-    from the files (`preread`, a `sparseopt.disk.row_cache.Preread`).
+    `{column: values}`, as stored) and what they are current as of (`as_of`: the cache
+    and the table's count of writes then; each write after the fetch brings them up
+    to date, `take_written`), and whether it was let go unread (`dropped`: no write
+    need bring it up to date).
 
     Args:
         ids: int64 `[N]`, the ids as `valid_or_minus_one` gives them.
@@ -126,7 +131,22 @@ class Foreseen:
 
     def __init__(self, ids):
         self.ids, self.started, self.distinct, self.counted = ids, False, None, False
-        self.found = self.as_of = self.preread = None
+        self.found = self.as_of = None
+        self.dropped = False
+
+    def take_written(self, ids, values):
+        """Its rows among `ids` take the values written to them.
+
+        Args:
+            ids: int64 `[M]`, distinct rows written.
+            values: `{column: [M, *tail]}` of every column, as stored.
+        """
+        at = self.distinct.find(ids)
+        written = np.flatnonzero(at >= 0)
+        if written.size:
+            at = at[written]
+            for name, array in self.found.items():
+                array[at] = values[name][written]
 
 
 def valid_or_minus_one(ids, num_rows):

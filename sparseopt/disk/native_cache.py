@@ -106,7 +106,7 @@ class NativeRowCache(RowCache):
                 self.files.rows_written += int(self._lib.so_stage_flush(
                     ctypes.byref(self._cache)))
 
-    def read_distinct(self, ids, preread=None):
+    def read_distinct(self, ids):
         ids = np.ascontiguousarray(ids, np.int64)
         with self.lock:
             out = {n: np.empty((ids.size,) + a.shape[1:], a.dtype) for n, a in self.data.items()}
@@ -114,7 +114,7 @@ class NativeRowCache(RowCache):
             missed = self._hits(self._lib.so_cache_read, ids, columns)
             if missed.size:
                 self.drain()  # (a staged row is in neither the cache nor the files)
-                fetched = self._from_files(ids, missed, preread)
+                fetched = self.files.read(ids[missed])
                 for name in out:
                     out[name][missed] = fetched[name]
                 self._insert_at(ids, missed, columns, dirty=False)
@@ -140,13 +140,6 @@ class NativeRowCache(RowCache):
             if missed.size:
                 self._insert_at(ids, missed, columns, dirty=True)
 
-    def _uncached(self, ids):
-        ids = np.ascontiguousarray(ids, np.int64)
-        missed = np.empty(ids.size, np.int64)
-        count = self._lib.so_cache_uncached(ctypes.byref(self._cache), host_ops.ptr(ids),
-                                            ctypes.c_int64(ids.size), host_ops.ptr(missed))
-        return missed[:count]
-
     def _hits(self, call, ids, columns):
         """`call` (`so_cache_read` or `so_cache_write`) on distinct `ids`; the indices of
         the ids not cached."""
@@ -158,7 +151,6 @@ class NativeRowCache(RowCache):
     def _insert_at(self, ids, at, columns, dirty):
         """Caches rows `ids[at]` with rows `at` of `columns`, evicting (staging) others."""
         at = np.ascontiguousarray(at, np.int64)
-        self._inserting(ids[at])
         self._stage_room(at.size)  # (each insert evicts at most one row)
         written = int(self._lib.so_cache_insert(
             ctypes.byref(self._cache), host_ops.ptr(ids), host_ops.ptr(at),

@@ -19,11 +19,9 @@ hold the cache's lock: the thread beside the step and the step may call it at on
 """
 
 import threading
-import weakref
 
 import numpy as np
 
-from sparseopt.disk import host_ops
 from sparseopt.disk.initial_rows import mix
 
 POLICIES = ("lru", "lfu")
@@ -68,10 +66,6 @@ class RowCache:
         self.tick = np.zeros((1,), np.int64)  # (arrays: the native cache writes them too)
         self.counts = np.zeros((4,), np.int64)  # HITS, MISSES, AHEAD, MISSED_AT_STEP
         self.lock = threading.RLock()
-        # Weak references to the `Preread`s not yet used: each insert tells them the rows
-        # it caches. (A list changed under the lock only: a `WeakSet` drops entries on
-        # whichever thread lets one go.)
-        self._prereads = []
 
     @property
     def stats(self):
@@ -117,14 +111,8 @@ class RowCache:
         """
         return self.read_distinct(self._checked(ids))
 
-    def read_distinct(self, ids, preread=None):
-        """`read` of int64 ids known to be distinct rows of the table (unchecked).
-
-        Args:
-            ids: int64 `[M]`.
-            preread: the `Preread` of these ids (`preread`), whose rows missed come from
-                it where it still holds, not from the files; or None.
-        """
+    def read_distinct(self, ids):
+        """`read` of int64 ids known to be distinct rows of the table (unchecked)."""
         with self.lock:
             sets, ways, hit = self._find(ids)
             out = {n: np.empty((ids.size,) + a.shape[1:], a.dtype) for n, a in self.data.items()}
@@ -136,72 +124,11 @@ class RowCache:
             self.counts[HITS] += int(hit.sum())
             self.counts[MISSES] += int(missed.size)
             if missed.size:
-                fetched = self._from_files(ids, missed, preread)
+                fetched = self.files.read(ids[missed])
                 for name in out:
                     out[name][missed] = fetched[name]
                 self._insert(ids[missed], sets[missed], fetched, dirty=False)
             return out
-
-    def preread(self, ids, find=None):
-        """Reads from the files the rows of distinct `ids` (int64) that the cache does not
-        hold now, changing nothing in the cache and counting no hit or miss: their
-        `Preread`, for a `read_distinct` of the same ids later, which then need not read
-        the files for them (a fetch ahead reads them before the step's rows are written,
-        and caches them after: `sparseopt.disk.table`).
-
-        Args:
-            ids: int64 `[M]` distinct rows of the table.
-            find: a function of int64 ids giving their indices in `ids` (-1 where
-                absent), such as `host_ops.Distinct.find`; None: the ids' own
-                (`host_ops.distinct`, which keeps distinct ids in their order).
-        """
-        with self.lock:
-            self.drain()  # (a staged row is in neither the cache nor the files)
-            uncached = self._uncached(ids)
-            find = find or host_ops.distinct(ids, self.files.num_rows).find
-            preread = Preread(self, ids, uncached, self.files.read(ids[uncached]), find)
-            self._prereads.append(weakref.ref(preread))
-            return preread
-
-    def _inserting(self, ids):
-        """Before rows `ids` are cached: the prereads holding them let them go (a row
-        cached may be written, then evicted into the files: its value read ahead is then
-        stale)."""
-        live = [(ref, ref()) for ref in self._prereads]
-        self._prereads = [ref for ref, preread in live if preread is not None]
-        for _, preread in live:
-            if preread is not None:
-                preread.spoil(ids)
-
-    def _uncached(self, ids):
-        """Int64 indices of distinct `ids` the cache does not hold (nothing changed)."""
-        return np.flatnonzero(~self._find(ids)[2])
-
-    def _from_files(self, ids, missed, preread):
-        """`{column: values}` of rows `ids[missed]` (uncached, the stage drained): those
-        `preread` holds from it (still current: `Preread`), the others from the files.
-
-        Args:
-            ids: int64 `[M]`, the ids of a read.
-            missed: int64 indices into `ids`.
-            preread: the `Preread` of these `ids`, or None.
-        """
-        if preread is None:
-            return self.files.read(ids[missed])
-        # (Used once: no insert need tell it more.)
-        self._prereads = [ref for ref in self._prereads if ref() not in (preread, None)]
-        held = preread.held(self, missed, ids.size)
-        if held.all():
-            return preread.rows(missed)
-        rest = self.files.read(ids[missed[~held]])
-        if not held.any():
-            return rest
-        found = preread.rows(missed[held])
-        out = {}
-        for name, values in rest.items():
-            out[name] = np.empty((held.size,) + values.shape[1:], values.dtype)
-            out[name][held], out[name][~held] = found[name], values
-        return out
 
     def peek(self, ids):
         """`{column: values [M, *tail]}` of rows `ids` as they are now (cached or in the
@@ -254,7 +181,6 @@ class RowCache:
         distinct entries; where more ids than ways fall in one set, later
         ones evict earlier ones (written back if dirty: nothing is lost).
         """
-        self._inserting(ids)
         order = np.argsort(sets, kind="stable")
         # Rank of each id among those of its set: round k holds the k-th.
         sorted_sets = sets[order]
@@ -309,42 +235,4 @@ class RowCache:
         looked = stats["hits"] + stats["misses"]
         stats["hit_rate"] = stats["hits"] / looked if looked else None
         return stats
-
-
-class Preread:
-    """Rows a cache did not hold, read from the files ahead of the read that caches them
-    (`RowCache.preread`). A row not cached then, and not cached since, was not written
-    since either (a write reaches the files only through the cache): its value read
-    ahead is current. Rows the cache caches meanwhile are let go (`spoil`).
-
-    Args:
-        cache: the `RowCache` that did not hold them.
-        ids: int64 `[M]`, the distinct ids asked for.
-        uncached: int64 indices into `ids` of the rows not cached then.
-        values: `{column: values}` of those rows, as stored.
-        find: a function of int64 ids giving their indices in `ids` (-1: absent).
-    """
-
-    def __init__(self, cache, ids, uncached, values, find):
-        self.cache, self.values, self.size = cache, values, ids.size
-        self._row = np.full((ids.size,), -1, np.int64)  # (each id's row in `values`, or -1)
-        self._row[uncached] = np.arange(uncached.size)
-        self._find = find
-
-    def spoil(self, ids):
-        """Lets go of the values of rows `ids` (int64; others are ignored)."""
-        at = self._find(np.ascontiguousarray(ids, np.int64))
-        self._row[at[at >= 0]] = -1
-
-    def held(self, cache, missed, size):
-        """Boolean `[len(missed)]`: which of rows `missed` (indices into the same `size`
-        ids, of `cache`) it holds current values of (none: another cache's ids)."""
-        if cache is not self.cache or size != self.size:
-            return np.zeros(len(missed), bool)
-        return self._row[missed] >= 0
-
-    def rows(self, missed):
-        """`{column: values}` of rows `missed` (it holds them: `held`)."""
-        at = self._row[missed]
-        return {name: values[at] for name, values in self.values.items()}
 

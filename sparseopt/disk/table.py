@@ -99,9 +99,12 @@ class DiskTable:
         self._failed = None
         # The batches `fit` showed ahead, whose rows are fetched beside the step before.
         self._upcoming = Upcoming(self.shape[0])
-        self._following = None  # (the next to fetch, once the step's rows are written)
+        # The batch last fetched ahead and not yet read, whose values the writes after its
+        # fetch bring up to date (`_fetch`, `_write_host`); set as jobs are submitted, under
+        # its lock, so that each write brings up to date the fetch submitted before it.
+        self._last_fetched, self._fetched_lock = None, threading.Lock()
         # Writes applied to the cache (on the thread beside the step): a fetch's values
-        # are current while none came after it (`_fetched_values`).
+        # are current as of one of them (`_fetched_values`).
         self._writes = 0
         self._unforeseen = False  # (the batches shown were not what it read: no more)
         # Seconds the step's host calls took, and of those, waiting for the thread
@@ -276,21 +279,20 @@ class DiskTable:
                 look_ahead.KEPT + 1)
 
     def _fetch(self, entry):
-        """Brings a `Foreseen` batch's rows into the cache, on the thread beside the step."""
+        """Brings a `Foreseen` batch's rows into the cache, on the thread beside the step,
+        and keeps their values as it found them (`entry.found`): the writes submitted
+        after it bring those up to date (`_write_host`), so its step takes them as they
+        are, without finding each row in the cache again (`_fetched_values`)."""
         cache, num_rows = self.cache, self.shape[0]
 
         def fetch():
-            if entry.distinct is None:  # (else its rows were read ahead: `_preread`)
-                entry.distinct = host_ops.distinct(entry.ids, num_rows)
+            entry.distinct = host_ops.distinct(entry.ids, num_rows)
             if cache is not self.cache:  # (a load or whole-table work replaced it: let go)
                 return
             try:
                 with cache.lock:
-                    found = cache.read_distinct(entry.distinct.ids, entry.preread)
+                    found = cache.read_distinct(entry.distinct.ids)
                     cache.counts[AHEAD] += 1
-                entry.preread = None  # (used: the cache no longer tells it what it caches)
-                # The values as they are now: the step's read takes them from here where
-                # nothing was written since (`_fetched_values`), not from the cache again.
                 entry.found, entry.as_of = found, (cache, self._writes)
             except Exception as error:  # noqa: BLE001 (the step reads its rows itself)
                 # A fetch only brings rows into the cache (rows it evicts stay dirty until
@@ -301,29 +303,13 @@ class DiskTable:
                     "them itself.", self._owner, error)
                 return
             entry.counted = True
+            # The rows it evicted reach the files now, while the step computes, not in the
+            # write its step waits for (a failure is the thread's, as a write's: kept).
+            cache.drain()
 
-        self._background.submit(fetch)
-
-    def _preread(self, entry):
-        """Reads from the files, on the thread beside the step, the rows of a `Foreseen`
-        batch that the cache does not hold (`RowCache.preread`): its fetch, once the
-        step's rows are written, then only caches them (and finds the others in the cache),
-        so the next step waits for less. Changes nothing in the cache (nor the disk
-        reserved: the batch may never be trained); where it fails, the fetch reads the
-        rows itself (and meets the cause there)."""
-        cache, num_rows = self.cache, self.shape[0]
-
-        def preread():
-            if cache is not self.cache:
-                return
-            try:
-                entry.distinct = host_ops.distinct(entry.ids, num_rows)
-                entry.preread = cache.preread(entry.distinct.ids, entry.distinct.find)
-            except Exception:  # noqa: BLE001
-                # (The fetch then reads these rows itself, and logs the cause there.)
-                entry.distinct = entry.preread = None
-
-        self._background.submit(preread)
+        with self._fetched_lock:  # (the writes submitted after it bring it up to date)
+            self._last_fetched = entry
+            self._background.submit(fetch)
 
     def _read_host(self, ids, names, lookup=False):
         self._check_open()
@@ -334,6 +320,9 @@ class DiskTable:
             entry, following = self._upcoming.reached(valid_or_minus_one(ids, self.shape[0]))
         if entry is not None and entry.started:
             self._settle(in_step=True)  # (its fetch, and the work before it, done)
+            with self._fetched_lock:  # (read now: no write after need bring it up to date)
+                if self._last_fetched is entry:
+                    self._last_fetched = None
         fetched = entry is not None and entry.counted
         batch = entry.distinct if fetched else host_ops.distinct(ids, self.shape[0])
         if batch.ids.size == 0:  # (no row: nothing read, the last read kept; zeros)
@@ -346,16 +335,14 @@ class DiskTable:
             if found is None:
                 self._settle(in_step=True)  # (the last write and evictions, applied)
                 found = self._step_read(batch.ids, fetched)
+                # The rows this read evicted reach the files while the step runs.
+                self._background.submit(self.cache.drain)
             with self._recent_lock:
                 self._last_read = (batch, found)
-            # The rows this read evicted reach the files while the step runs.
-            self._background.submit(self.cache.drain)
         if following is not None:
-            # Fetched once this step's rows are written (`write`): a fetch before would
-            # evict rows the step still writes, to be read again. Its rows the cache
-            # lacks are read from the files now, while the step runs.
-            self._preread(following)
-            self._following = following
+            # Fetched now, while the step computes: its write, after, brings the values
+            # the fetch found up to date (`_write_host`).
+            self._fetch(following)
         return self._gathered(found, batch, ids, names)
 
     def _look_host(self, ids, names):
@@ -376,10 +363,11 @@ class DiskTable:
         return tuple(out)
 
     def _fetched_values(self, entry):
-        """`{column: values}` of a batch's distinct rows as its fetch ahead read them, where
-        they are still current (no write since, the same cache), else None. The step's
-        read then takes them as they are, without finding each row in the cache again
-        (the fetch counted them: the step's read is the next read of the cache).
+        """`{column: values}` of a batch's distinct rows as its fetch ahead read them and the
+        writes since brought them up to date, where they are current (the same cache, and
+        every write since brought them up to date), else None. The step's read then takes
+        them as they are, without finding each row in the cache again (the fetch counted
+        them: the step's read is the next read of the cache).
 
         Args:
             entry: the `Foreseen` batch, fetched (its thread's work settled).
@@ -432,12 +420,13 @@ class DiskTable:
         # be a computation of its own.)
         values = {n: np.array(np.asarray(v)[:count]) for n, v in values.items()}
         cache, columns, maps = self.cache, list(self.columns), self.files.maps
+        num_rows = self.shape[0]
 
-        def write():
-            self._writes += 1  # (values fetched ahead before this are stale now)
-            batch = host_ops.distinct(np.where(keep, ids, -1), self.shape[0])
+        def write(fetched):
+            batch = host_ops.distinct(np.where(keep, ids, -1), num_rows)
             if batch.ids.size == 0:  # (repeats hold equal values: the first is kept)
                 return
+            self._writes += 1  # (values fetched ahead before this are stale now...)
             if batch.ids.size == ids.size:  # (all distinct and kept: `first` is 0, 1, ...)
                 kept = dict(values)
             else:
@@ -446,14 +435,18 @@ class DiskTable:
             if missing:  # columns left out keep their values (a look, not a lookup: uncounted)
                 old = cache.peek(batch.ids)
                 kept.update({n: old[n] for n in missing})
-            cache.write_distinct(batch.ids, {n: kept[n].astype(maps[n].dtype, copy=False)
-                                             for n in columns})
+            kept = {n: kept[n].astype(maps[n].dtype, copy=False) for n in columns}
+            cache.write_distinct(batch.ids, kept)
+            # (...but those of the batch fetched ahead, current up to this write: its rows
+            # this write wrote take their new values, and they are current again.)
+            if (fetched is not None and not fetched.dropped
+                    and fetched.as_of == (cache, self._writes - 1)):
+                fetched.take_written(batch.ids, kept)
+                fetched.as_of = (cache, self._writes)
             cache.drain()
 
-        self._background.submit(write)
-        following, self._following = self._following, None
-        if following is not None:
-            self._fetch(following)  # (the next step's rows, while this step ends)
+        with self._fetched_lock:  # (the batch fetched ahead, in the order their jobs run)
+            self._background.submit(functools.partial(write, self._last_fetched))
 
     # -- between steps -------------------------------------------------------
 
@@ -555,8 +548,9 @@ class DiskTable:
             counts = self.cache.counts.copy()
             self._new_cache()
             self.cache.counts[:] = counts
-            self._upcoming.clear()
-            self._following = None
+            with self._fetched_lock:
+                self._upcoming.clear()
+                self._last_fetched = None
 
     def flush(self):
         """Writes the cache's dirty rows to the files, and the files to disk."""
@@ -692,8 +686,9 @@ class DiskTable:
                     self._last_read = None
                 self.files.reopen()
                 self._new_cache()
-                self._upcoming.clear()
-                self._following = None
+                with self._fetched_lock:
+                    self._upcoming.clear()
+                    self._last_fetched = None
             # (No map holds the files replaced now: removing them, seconds for a trained
             # table, is left to a thread of their own.)
             snapshots.discard(replaced)

@@ -96,8 +96,9 @@ HOST_FUNCTIONS = {
     "so_cache_read": ((_BYTES, _P64, _I64, _BYTES, _P64), _I64),
     "so_cache_write": ((_BYTES, _P64, _I64, _BYTES, _P64), _I64),
     "so_cache_insert": ((_BYTES, _P64, _P64, _I64, _BYTES, _I64), _I64),
-    "so_cache_uncached": ((_BYTES, _P64, _I64, _P64), _I64),
     "so_stage_flush": ((_BYTES,), _I64),
+    "so_uniform": ((_P64, _I64, _I64, ctypes.c_uint64, ctypes.c_double, ctypes.c_double,
+                    ctypes.c_float, _BYTES), None),
     "so_cache_flush": ((_BYTES,), _I64),
 }
 # No FMA contraction: each product is rounded before it is added, as XLA's

@@ -18,8 +18,9 @@
 // so_gather     rows of an array by index (-1: zeros);
 // so_unreserved the blocks of a file that rows lie on and that are not yet
 //               reserved on disk (RowFiles.reserve);
-// so_cache_*    RowCache's read, write, insert and uncached rows (set-associative,
-//               LRU/LFU),
+// so_uniform    rows a RandomUniform table starts with (InitialRows: the same
+//               integer hash, the same roundings, so the same floats);
+// so_cache_*    RowCache's read, write and insert (set-associative, LRU/LFU),
 //               evicted dirty rows staged for so_stage_flush, which writes
 //               them into the files' memory maps.
 
@@ -272,18 +273,6 @@ int64_t so_cache_write(SoCache* cache, const int64_t* ids, int64_t m, uint8_t** 
   return Hits(*cache, ids, m, values, missed, true);
 }
 
-// The indices of distinct `ids` [m] the cache does not hold, into `missed`,
-// changing nothing (no row touched, nothing counted). Returns how many.
-int64_t so_cache_uncached(SoCache* cache, const int64_t* ids, int64_t m, int64_t* missed) {
-  const SoCache& c = *cache;
-  int64_t count = 0;
-  for (int64_t k = 0; k < m; ++k) {
-    if (k + kAhead < m) Prefetch(c, ids[k + kAhead]);
-    if (Find(c, ids[k]) < 0) missed[count++] = k;
-  }
-  return count;
-}
-
 // Caches distinct uncached rows `ids[at[k]]` (k < m) with values row `at[k]`
 // of `values` (per column), dirty or not, evicting others (dirty ones staged,
 // or written into the files where the cache has no stage). Rows of one set are
@@ -344,6 +333,29 @@ int64_t so_cache_flush(SoCache* cache) {
     }
   }
   return written;
+}
+
+// The initial values of rows `ids` [m] of a RandomUniform table of `width`
+// columns into `out` [m, width] (sparseopt.disk.initial_rows.InitialRows):
+// value c of row i from the word Mix((i * width + c) ^ key) (`key`: the
+// table's seed and the draw's stream, mixed as uniform01 mixes them), its top
+// 53 bits a double u in [0, 1), then minval + span * u (`span`: maxval - minval
+// as NumPy works it out from the initializer's bounds) rounded to float and kept
+// below `high`. Each operation rounds as NumPy's does (no FMA contraction: the
+// library is built with -ffp-contract=off), so the values are NumPy's, bit for bit.
+void so_uniform(const int64_t* ids, int64_t m, int64_t width, uint64_t key, double minval,
+                double span, float high, float* out) {
+  const uint64_t cols = static_cast<uint64_t>(width);
+  for (int64_t k = 0; k < m; ++k) {
+    const uint64_t base = static_cast<uint64_t>(ids[k]) * cols;
+    float* row = out + k * width;
+    for (uint64_t c = 0; c < cols; ++c) {
+      const uint64_t word = Mix((base + c) ^ key);
+      const double u = static_cast<double>(word >> 11) * (1.0 / 9007199254740992.0);
+      const float value = static_cast<float>(minval + span * u);
+      row[c] = value < high ? value : high;
+    }
+  }
 }
 
 }  // extern "C"
