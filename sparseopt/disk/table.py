@@ -329,7 +329,7 @@ class DiskTable:
             found = {n: np.zeros((0,) + self.columns[n].tail, self.files.maps[n].dtype)
                      for n in names}
         else:
-            found = self._recent(batch.ids)
+            found = self._recent(batch.ids, names)
         if found is None:
             found = self._fetched_values(entry) if fetched else None
             if found is None:
@@ -395,9 +395,9 @@ class DiskTable:
                 counts[HITS] -= hits
         return found
 
-    def _recent(self, wanted):
-        """`{column: values}` of `wanted` (distinct ids) from the last read, where it read
-        them all and nothing was written since; else None."""
+    def _recent(self, wanted, names):
+        """`{column: values}` of columns `names` at `wanted` (distinct ids) from the last read,
+        where it read them all and nothing was written since; else None."""
         with self._recent_lock:
             last = self._last_read
         if last is None or wanted.size == 0:
@@ -406,7 +406,7 @@ class DiskTable:
         at = batch.positions(wanted)
         if at is None:
             return None
-        return {name: host_ops.gather(array, at) for name, array in values.items()}
+        return {name: host_ops.gather(values[name], at) for name in names}
 
     def _write_host(self, ids, count, keep, values):
         self._check_open()
