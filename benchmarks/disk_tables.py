@@ -18,7 +18,9 @@ memory, then on disk with caches of 1%, 5% and 20% of its rows, that
 sequence `--repeats` times (this machine's speed drifts between runs by as
 much as 1.5x; interleaved, a slow spell slows all). Prints each median step
 time and every run's, the median's ratio to the in-memory one (the issue's goal: a 5%
-cache at >= 0.5x the in-memory throughput, i.e. <= 2x its step), the hit
+cache at >= 0.5x the in-memory throughput, i.e. <= 2x its step), the processor time
+the process took a step (every thread's: against the step's wall time, how many of
+the machine's cores a step keeps busy), the hit
 rate, the bytes read from and written to the files per timed step, and
 where the table's host work went per timed step (`disk_stats()`): in the
 step's host calls, which the step waits for (of which, waiting for the
@@ -128,13 +130,17 @@ def run(args, storage, warm, timed, from_python=False):
         compat.batches_seen_ahead(m, lambda batch: None)
     m.fit(warm[0], warm[1], batch_size=args.batch, shuffle=False, verbose=0)
     before = emb.disk_stats()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     m.fit(timed[0], timed[1], batch_size=args.batch, shuffle=False, verbose=0)
     step_ms = 1e3 * (time.perf_counter() - t0) / args.steps
+    # The processor time the whole process took a step, every thread's (XLA's, the
+    # table's beside the step, Keras' loop): against the step's wall time, how much of
+    # the machine's cores a step keeps busy.
+    cpu_ms = 1e3 * (time.process_time() - c0) / args.steps
     after = emb.disk_stats()
     if after is not None:
         emb.embeddings.close()  # (its folder is removed next)
-    out = {"step_ms": step_ms}
+    out = {"step_ms": step_ms, "cpu_ms": cpu_ms}
     if before is not None:
         looked = (after["hits"] - before["hits"]) + (after["misses"] - before["misses"])
         out.update(hit_rate=(after["hits"] - before["hits"]) / looked,
@@ -175,10 +181,10 @@ def main():
     print(f"{backend}: {kind} {args.rows:,} x {args.width} ({args.dtype or 'float32'}), "
           "row-wise Adagrad; "
           f"{args.batch * 8:,} Zipf ids per step ({distinct:,.0f} distinct)")
-    print("| table | step ms (median) | step / in memory | each run's step ms | hit rate "
-          "| disk KB read/step | disk KB written/step | host calls ms/step (waiting) "
-          "| beside ms/step |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| table | step ms (median) | step / in memory | each run's step ms "
+          "| processor ms/step | hit rate | disk KB read/step | disk KB written/step "
+          "| host calls ms/step (waiting) | beside ms/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     tables = [("memory", None, None)] + [(f"disk {f:.0%}", f, True) for f in (0.01, 0.05, 0.20)]
     if not args.vocabulary:  # (the tables fetched ahead; see above)
         tables.append(("disk 5% in step", 0.05, False))
@@ -201,7 +207,8 @@ def main():
     for name, fraction, ahead in tables:
         steps = [r["step_ms"] for r in runs[name]]
         row = {**runs[name][-1], "table": name, "step_ms": float(np.median(steps)),
-               "step_ms_runs": steps}
+               "step_ms_runs": steps,
+               "cpu_ms": float(np.median([r["cpu_ms"] for r in runs[name]]))}
         results.append(row)
         ratio = row["step_ms"] / results[0]["step_ms"]
         label = "in memory" if fraction is None else f"on disk, {fraction:.0%} cache"
@@ -219,7 +226,8 @@ def main():
                  f"{row['host_ms_per_step']:.1f} ({row['waited_ms_per_step']:.1f}) | "
                  f"{row['beside_ms_per_step']:.1f} |")
         print(f"| {label} | {row['step_ms']:.1f} | {ratio:.2f}x | "
-              f"{', '.join(f'{t:.1f}' for t in steps)} | {stats}", flush=True)
+              f"{', '.join(f'{t:.1f}' for t in steps)} | {row['cpu_ms']:.1f} | {stats}",
+              flush=True)
     suffix = f"_{args.dtype}" if args.dtype not in (None, "float32") else ""
     suffix += "_vocabulary" if args.vocabulary else ""
     out = pathlib.Path(args.out or HERE / "results" / f"disk_tables_{backend}{suffix}.json")

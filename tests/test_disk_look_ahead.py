@@ -349,23 +349,32 @@ def test_batches_a_table_never_reads_stop_being_fetched_with_a_warning(tmp_path,
     np.testing.assert_array_equal(_table_values(layers[0]), _table_values(m_layers[0]))
 
 
+@pytest.mark.parametrize("where", ["lookup", "files"])
 def test_a_failed_fetch_ahead_is_logged_and_the_step_reads_its_rows(tmp_path, monkeypatch,
-                                                                    caplog):
+                                                                    caplog, where):
     # A fetch only brings rows into the cache: where it fails (here: every fetch, made so
-    # on the table's thread), the table is whole and each step reads its rows itself.
+    # on the table's thread), the table is whole and each step reads its rows itself, and
+    # counts them once: failing before the cache's lookup ("lookup"), or after it counted
+    # hits and misses, reading the missed rows from the files ("files").
     import threading
 
-    from sparseopt.disk import native_cache, row_cache
+    from sparseopt.disk import native_cache, row_cache, row_files
 
-    for cls in (row_cache.RowCache, native_cache.NativeRowCache):
-        read = cls.read_distinct
+    def failing_on_the_tables_thread(cls, name):
+        call = getattr(cls, name)
 
-        def failing(self, ids, *, read=read):
+        def failing(self, *args, **kwargs):
             if threading.current_thread().name.startswith("sparseopt disk table"):
                 raise OSError("no fetch here")
-            return read(self, ids)
+            return call(self, *args, **kwargs)
 
-        monkeypatch.setattr(cls, "read_distinct", failing)
+        monkeypatch.setattr(cls, name, failing)
+
+    if where == "lookup":
+        for cls in (row_cache.RowCache, native_cache.NativeRowCache):
+            failing_on_the_tables_thread(cls, "read_distinct")
+    else:  # (the table's thread reads the files in its fetches alone here: no Lookahead)
+        failing_on_the_tables_thread(row_files.RowFiles, "read")
     model, layers = _model(_disk(tmp_path, "f", HOLDS_ALL, True)[:1], ("input",))
     memory, m_layers = _model([None], ("input",))
     _start_alike(memory, m_layers, model, layers)
@@ -377,5 +386,13 @@ def test_a_failed_fetch_ahead_is_logged_and_the_step_reads_its_rows(tmp_path, mo
     assert "fetching the next step's rows ahead failed (no fetch here)" in caplog.text
     stats = layers[0].disk_stats()
     hits, misses = _expected_counts(batches, "input")
-    assert (stats["steps_fetched_ahead"], stats["hits"], stats["misses"]) == (0, hits, misses)
+    assert (stats["hits"], stats["misses"]) == (hits, misses)
+    # (Failing in the files, a fetch of a batch whose rows are all cached, every one read
+    # by a step before, reads none there: it succeeds.)
+    seen, cached = set(), 0
+    for batch in batches:
+        rows = _ids_of(batch, "input")
+        cached += bool(seen) and rows <= seen
+        seen |= rows
+    assert stats["steps_fetched_ahead"] == (cached if where == "files" else 0)
     np.testing.assert_array_equal(_table_values(layers[0]), _table_values(m_layers[0]))

@@ -99,9 +99,10 @@ class DiskTable:
         self._failed = None
         # The batches `fit` showed ahead, whose rows are fetched beside the step before.
         self._upcoming = Upcoming(self.shape[0])
-        # The batch last fetched ahead and not yet read, whose values the writes after its
-        # fetch bring up to date (`_fetch`, `_write_host`); set as jobs are submitted, under
-        # its lock, so that each write brings up to date the fetch submitted before it.
+        # The batch last fetched ahead and not yet read (nor let go: `dropped`), whose
+        # values the writes after its fetch bring up to date (`_fetch`, `_write_host`); set
+        # as jobs are submitted, under its lock, so that each write brings up to date the
+        # fetch submitted before it.
         self._last_fetched, self._fetched_lock = None, threading.Lock()
         # Writes applied to the cache (on the thread beside the step): a fetch's values
         # are current as of one of them (`_fetched_values`).
@@ -291,7 +292,14 @@ class DiskTable:
                 return
             try:
                 with cache.lock:
-                    found = cache.read_distinct(entry.distinct.ids)
+                    counted = cache.counts.copy()
+                    try:
+                        found = cache.read_distinct(entry.distinct.ids)
+                    except BaseException:
+                        # (Its hits and misses, counted before it failed, are the step's
+                        # to count: it reads its rows itself.)
+                        cache.counts[:] = counted
+                        raise
                     cache.counts[AHEAD] += 1
                 entry.found, entry.as_of = found, (cache, self._writes)
             except Exception as error:  # noqa: BLE001 (the step reads its rows itself)
@@ -548,9 +556,7 @@ class DiskTable:
             counts = self.cache.counts.copy()
             self._new_cache()
             self.cache.counts[:] = counts
-            with self._fetched_lock:
-                self._upcoming.clear()
-                self._last_fetched = None
+            self._upcoming.clear()  # (marked let go: no write brings them up to date)
 
     def flush(self):
         """Writes the cache's dirty rows to the files, and the files to disk."""
@@ -686,9 +692,7 @@ class DiskTable:
                     self._last_read = None
                 self.files.reopen()
                 self._new_cache()
-                with self._fetched_lock:
-                    self._upcoming.clear()
-                    self._last_fetched = None
+                self._upcoming.clear()  # (marked let go: no write brings them up to date)
             # (No map holds the files replaced now: removing them, seconds for a trained
             # table, is left to a thread of their own.)
             snapshots.discard(replaced)

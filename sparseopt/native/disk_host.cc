@@ -39,6 +39,13 @@ constexpr int64_t kMaxUses = (int64_t{1} << 22) - 1;
 using sparseopt::Index;
 using sparseopt::Mix;
 
+// How many ids ahead a loop asks for the lines it will need: a call's ids lie
+// at random (in a hash index, the cache's sets, a large array's rows), and
+// loads asked for ahead overlap the work on the ids before (measured:
+// benchmarks/disk_tables.py, and for so_unique, so_find and so_gather side by
+// side with and without, in one process: 8-24% less time each).
+constexpr int64_t kAhead = 8;
+
 }  // namespace
 
 extern "C" {
@@ -54,6 +61,7 @@ int64_t so_unique(const int64_t* ids, int64_t n, int64_t num_rows, int64_t* uniq
   std::memset(keys, 0xff, sizeof(int64_t) * capacity);
   int64_t count = 0;
   for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) index.Prefetch(ids[i + kAhead]);
     const int64_t id = ids[i];
     if (id < 0 || id >= num_rows) {
       inverse[i] = -1;
@@ -79,6 +87,7 @@ int64_t so_find(const int64_t* keys, const int64_t* values, int64_t capacity,
               static_cast<uint64_t>(capacity - 1)};
   int64_t absent = 0;
   for (int64_t k = 0; k < m; ++k) {
+    if (k + kAhead < m) index.Prefetch(wanted[k + kAhead]);
     const uint64_t at = index.Slot(wanted[k]);
     out[k] = keys[at] == -1 ? -1 : values[at];
     absent += out[k] < 0;
@@ -96,6 +105,11 @@ int64_t so_number(const int32_t* ids, int64_t n, int64_t num_rows, int32_t* numb
 void so_gather(const uint8_t* src, int64_t row_bytes, const int64_t* index, int64_t m,
                uint8_t* out) {
   for (int64_t k = 0; k < m; ++k) {
+    if (k + kAhead < m && index[k + kAhead] >= 0) {
+      const uint8_t* next = src + index[k + kAhead] * row_bytes;
+      __builtin_prefetch(next);
+      __builtin_prefetch(next + row_bytes - 1);  // (a row need not start on a line)
+    }
     if (index[k] < 0) {
       std::memset(out + k * row_bytes, 0, row_bytes);
     } else {
@@ -154,11 +168,6 @@ namespace {
 inline int64_t SetOf(const SoCache& c, int64_t id) {
   return static_cast<int64_t>(Mix(static_cast<uint64_t>(id)) % static_cast<uint64_t>(c.sets));
 }
-
-// How many ids ahead a loop asks for the cache lines it will need: the sets
-// of a call's ids are scattered over the cache, and loads of the next ids' sets
-// overlap the work on this one (measured: benchmarks/disk_tables.py).
-constexpr int64_t kAhead = 8;
 
 // Asks for the lines of the set of `id`: its tags, and its ticks.
 inline void Prefetch(const SoCache& c, int64_t id) {

@@ -37,6 +37,14 @@ struct Index {
     while (keys[at] != -1 && keys[at] != key) at = (at + 1) & mask;
     return at;
   }
+
+  // Asks for the lines where `key`'s search starts: a loop over keys asks some
+  // keys ahead, so that loads of slots at random overlap the work before.
+  inline void Prefetch(int64_t key) const {
+    const uint64_t at = Mix(static_cast<uint64_t>(key)) & mask;
+    __builtin_prefetch(keys + at);
+    __builtin_prefetch(values + at);
+  }
 };
 
 // The valid ids of `ids` [n] (inside [0, num_rows)) numbered 0..count-1 in the
