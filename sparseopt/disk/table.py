@@ -99,10 +99,9 @@ class DiskTable:
         self._failed = None
         # The batches `fit` showed ahead, whose rows are fetched beside the step before.
         self._upcoming = Upcoming(self.shape[0])
-        # The batch last fetched ahead and not yet read (nor let go: `dropped`), whose
-        # values the writes after its fetch bring up to date (`_fetch`, `_write_host`); set
-        # as jobs are submitted, under its lock, so that each write brings up to date the
-        # fetch submitted before it.
+        # The batch last fetched ahead and not yet read, whose values the writes after its
+        # fetch bring up to date (`_fetch`, `_write_host`); set as jobs are submitted, under
+        # its lock, so that each write brings up to date the fetch submitted before it.
         self._last_fetched, self._fetched_lock = None, threading.Lock()
         # Writes applied to the cache (on the thread beside the step): a fetch's values
         # are current as of one of them (`_fetched_values`).
@@ -556,7 +555,16 @@ class DiskTable:
             counts = self.cache.counts.copy()
             self._new_cache()
             self.cache.counts[:] = counts
-            self._upcoming.clear()  # (marked let go: no write brings them up to date)
+            self._let_go_fetched()
+
+    def _let_go_fetched(self):
+        """Lets go the batches foreseen and the one fetched ahead (a load, a new cache):
+        marked so, no write brings them up to date, and no reference to one (its values,
+        the cache it was fetched from, that cache's maps of files a load replaced) is
+        kept."""
+        with self._fetched_lock:
+            self._upcoming.clear()
+            self._last_fetched = None
 
     def flush(self):
         """Writes the cache's dirty rows to the files, and the files to disk."""
@@ -692,7 +700,7 @@ class DiskTable:
                     self._last_read = None
                 self.files.reopen()
                 self._new_cache()
-                self._upcoming.clear()  # (marked let go: no write brings them up to date)
+                self._let_go_fetched()
             # (No map holds the files replaced now: removing them, seconds for a trained
             # table, is left to a thread of their own.)
             snapshots.discard(replaced)
