@@ -104,31 +104,38 @@ class InitialRows:
         """float32 `[M, width]`: the initial values of rows `ids` (int `[M]`)."""
         ids = np.asarray(ids, np.int64).reshape(-1)
         init = self.initializer
-        if not isinstance(init, (keras.initializers.RandomUniform, keras.initializers.RandomNormal,
+        if isinstance(init, keras.initializers.RandomUniform):
+            return self._uniform(ids)
+        if not isinstance(init, (keras.initializers.RandomNormal,
                                  keras.initializers.TruncatedNormal)):  # (a constant)
             value = {keras.initializers.Zeros: 0.0, keras.initializers.Ones: 1.0}.get(
                 type(init), getattr(init, "value", 0.0))
             return np.full((ids.size, self.width), value, np.float64).astype(np.float32)
-        if isinstance(init, keras.initializers.RandomUniform):
-            # (float32 could round a value just below maxval up to it.)
-            high = np.nextafter(np.float32(init.maxval), np.float32(init.minval))
-            span = init.maxval - init.minval  # (as below: float32 bounds, in float32)
-            drawn = host_ops.uniform(ids, self.width, draw_key(self.seed, 0), init.minval,
-                                     span, high)
-            if drawn is not None:  # (the host library's loop: the same values, bit for bit)
-                return drawn
-        counters = (ids[:, None].astype(np.uint64) * np.uint64(self.width)
-                    + np.arange(self.width, dtype=np.uint64)[None, :])
-        if isinstance(init, keras.initializers.RandomUniform):
-            u = uniform01(self.seed, 0, counters)
-            values = init.minval + span * u
-            values = np.minimum(values.astype(np.float32), high)
-        elif isinstance(init, keras.initializers.TruncatedNormal):
+        counters = self._counters(ids)
+        if isinstance(init, keras.initializers.TruncatedNormal):
             values = self._truncated(counters)
-            values = init.mean + init.stddev * values
         else:
-            values = init.mean + init.stddev * _normal(self.seed, 0, counters)
-        return values.astype(np.float32)
+            values = _normal(self.seed, 0, counters)
+        return (init.mean + init.stddev * values).astype(np.float32)
+
+    def _counters(self, ids):
+        """uint64 `[M, width]`: each value's counter, `row * width + column`."""
+        return (ids[:, None].astype(np.uint64) * np.uint64(self.width)
+                + np.arange(self.width, dtype=np.uint64)[None, :])
+
+    def _uniform(self, ids):
+        """A `RandomUniform`'s rows: drawn by the host library where it is on, else by
+        NumPy, to the same values bit for bit."""
+        init = self.initializer
+        # (float32 could round a value just below maxval up to it.)
+        high = np.nextafter(np.float32(init.maxval), np.float32(init.minval))
+        span = init.maxval - init.minval  # (in the bounds' own type: float32's in float32)
+        drawn = host_ops.uniform(ids, self.width, draw_key(self.seed, 0), init.minval, span,
+                                 high)
+        if drawn is not None:
+            return drawn
+        values = init.minval + span * uniform01(self.seed, 0, self._counters(ids))
+        return np.minimum(values.astype(np.float32), high)
 
     def _truncated(self, counters):
         values = _normal(self.seed, 0, counters)
