@@ -297,6 +297,9 @@ def test_disk_tables_benchmark_runs_fit_on_disk_beside_memory(tmp_path, layer):
     assert all(r["host_ms_per_step"] >= r["waited_ms_per_step"] >= 0
                and r["host_ms_per_step"] > 0 and r["beside_ms_per_step"] > 0
                for r in results[1:])
+    # The end of fit's flush, apart from the steps: a table on disk's only.
+    assert results[0]["fit_flush_ms"] == 0
+    assert all(r["fit_flush_ms"] > 0 for r in results[1:])
     assert (tmp_path / "disk_tables.png").exists() and "step / in memory" in stdout
 
 

@@ -493,7 +493,7 @@ def test_table_health_reports_the_caches_per_epoch(tmp_path):
                                "Adam": (sparseopt.updaters.Adam, {}, "float32", {})},
                               lambda i, s: OnDisk(str(tmp_path / f"t{i}"), cache_rows=8))
     x, y = _data(2)
-    times = ("host_ms", "waited_ms", "beside_ms")
+    times = ("host_ms", "waited_ms", "beside_ms", "flush_ms")
     seen = [[layer.disk_stats() for layer in layers]]
     assert all(stats[k] == 0 for stats in seen[0] for k in times)  # (nothing ran yet)
     record = keras.callbacks.LambdaCallback(
@@ -514,6 +514,7 @@ def test_table_health_reports_the_caches_per_epoch(tmp_path):
         # a host call.
         assert new["host_ms"] > 0 and new["beside_ms"] > 0
         assert 0 <= new["waited_ms"] <= new["host_ms"]
+        assert new["flush_ms"] == 0  # (an epoch's end flushes nothing: fit's end does)
         assert history["disk_hit_rate"][epoch] == pytest.approx(
             new["hits"] / (new["hits"] + new["misses"]))
         assert history["disk_kb_read_per_step"][epoch] == pytest.approx(
@@ -527,6 +528,9 @@ def test_table_health_reports_the_caches_per_epoch(tmp_path):
     stats = [layer.disk_stats() for layer in layers]
     # The steps' host calls ran inside fit, one after another (each table's own).
     assert sum(s["host_ms"] for s in stats) < wall_ms
+    # The end of fit flushed each table, once, inside fit.
+    assert all(0 < s["flush_ms"] for s in stats)
+    assert sum(s["flush_ms"] for s in stats) < wall_ms
     assert stats[0]["bytes_written"] == 12 * stats[0]["rows_written"]
     assert stats[1]["bytes_read"] == 36 * stats[1]["rows_read"]
 

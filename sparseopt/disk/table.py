@@ -110,6 +110,9 @@ class DiskTable:
         # Seconds the step's host calls took, and of those, waiting for the thread
         # beside the step (`health`: where a step on disk spends its time).
         self._in_step = self._waited = 0.0
+        # Seconds in `flush` (the end of `fit`'s): its rows written into the files, and
+        # the files to disk (`health`: once a fit, apart from its steps).
+        self._flushing = 0.0
         # The snapshot the files were last taken in or loaded from, in this process: the
         # next one holds only the pages written since (`snapshots.take(base=...)`).
         self._base = None
@@ -570,7 +573,11 @@ class DiskTable:
         """Writes the cache's dirty rows to the files, and the files to disk."""
         self._check_open()
         self._settle()
-        self.cache.flush()
+        start = time.perf_counter()
+        try:
+            self.cache.flush()
+        finally:
+            self._flushing += time.perf_counter() - start
 
     def _check_not_closed(self):
         if self._closed:
@@ -725,10 +732,13 @@ class DiskTable:
         bytes read from and written to the files), and where the table's host work went
         since the table was made, in milliseconds of wall clock: `host_ms` in the steps'
         host calls (the step waits for them), `waited_ms` of it waiting for the thread
-        beside the step, `beside_ms` on that thread (overlapping the steps)."""
+        beside the step, `beside_ms` on that thread (overlapping the steps), and `flush_ms`
+        in `flush` (the end of `fit`'s, `layer.flush()`: the cache's dirty rows written
+        into the files, and the files to disk)."""
         self._settle()
         return {**self.cache.health(), "host_ms": 1e3 * self._in_step,
-                "waited_ms": 1e3 * self._waited, "beside_ms": 1e3 * self._background.busy}
+                "waited_ms": 1e3 * self._waited, "beside_ms": 1e3 * self._background.busy,
+                "flush_ms": 1e3 * self._flushing}
 
 
 def whole_work_failed(owner, start, error):
