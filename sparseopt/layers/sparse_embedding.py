@@ -244,8 +244,8 @@ class SparseEmbedding(keras.layers.Layer):
     def disk_stats(self):
         """A table on disk: its cache's counts so far (hits, misses, hit rate, rows and
         bytes read from and written to its files) and where its host work went
-        (`host_ms`, `waited_ms`, `beside_ms`, `flush_ms`: docs/disk.md, "What you can see"); None for a
-        table in memory."""
+        (`host_ms`, `waited_ms`, `beside_ms`, `flush_ms`: docs/disk.md, "What you can
+        see"); None for a table in memory."""
         if self.on_disk:
             return self.embeddings.health()
         return None
