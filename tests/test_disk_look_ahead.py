@@ -374,7 +374,8 @@ def test_a_failed_fetch_ahead_is_logged_and_the_step_reads_its_rows(tmp_path, mo
         for cls in (row_cache.RowCache, native_cache.NativeRowCache):
             failing_on_the_tables_thread(cls, "read_distinct")
     else:  # (the table's thread reads the files in its fetches alone here: no Lookahead)
-        failing_on_the_tables_thread(row_files.RowFiles, "read")
+        failing_on_the_tables_thread(row_files.RowFiles, "read")  # (the NumPy cache's read)
+        failing_on_the_tables_thread(native_cache.NativeRowCache, "_from_files")
     model, layers = _model(_disk(tmp_path, "f", HOLDS_ALL, True)[:1], ("input",))
     memory, m_layers = _model([None], ("input",))
     _start_alike(memory, m_layers, model, layers)

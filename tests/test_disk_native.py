@@ -82,7 +82,7 @@ def test_the_host_librarys_calls_are_checked_before_they_reach_c():
     assert set(native.HOST_FUNCTIONS) == {
         "so_unique", "so_find", "so_number", "so_gather", "so_unreserved", "so_cache_read",
         "so_cache_write", "so_cache_insert", "so_stage_flush", "so_uniform",
-        "so_cache_flush"}
+        "so_cache_flush", "so_files_read"}
     with pytest.raises(TypeError):
         lib.so_stage_flush()
     wide = np.zeros(4, np.int64)

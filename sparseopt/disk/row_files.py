@@ -185,13 +185,23 @@ class RowFiles:
         # Rows never written are not read from the files: a hole read through the
         # map would take a page of memory (zeros) in the kernel's cache for each.
         where = np.where(fresh, -1, ids)
+        out = {name: host_ops.gather(self.maps[name], where) for name in self.columns}
+        if fresh.any():
+            for name, values in self.initial(ids[fresh]).items():
+                out[name][fresh] = values
+        return out
+
+    def initial(self, ids):
+        """`{column: values}` rows `ids` start with (never written), in the column's dtype
+        (a column starting at a constant: that value, to broadcast).
+
+        Args:
+            ids: int64 rows of the table.
+        """
         out = {}
         for name, col in self.columns.items():
-            values = host_ops.gather(self.maps[name], where)
-            if fresh.any():
-                start = col.initial(ids[fresh]) if callable(col.initial) else col.initial
-                values[fresh] = np.asarray(start).astype(values.dtype)
-            out[name] = values
+            start = col.initial(ids) if callable(col.initial) else col.initial
+            out[name] = np.asarray(start).astype(self.maps[name].dtype)
         return out
 
     def write(self, ids, values):

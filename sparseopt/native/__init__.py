@@ -97,6 +97,7 @@ HOST_FUNCTIONS = {
     "so_cache_write": ((_BYTES, _P64, _I64, _BYTES, _P64), _I64),
     "so_cache_insert": ((_BYTES, _P64, _P64, _I64, _BYTES, _I64), _I64),
     "so_stage_flush": ((_BYTES,), _I64),
+    "so_files_read": ((_BYTES, _P64, _P64, _I64, _BYTES, _P64), _I64),
     "so_uniform": ((_P64, _I64, _I64, ctypes.c_uint64, ctypes.c_double, ctypes.c_double,
                     ctypes.c_float, _BYTES), None),
     "so_cache_flush": ((_BYTES,), _I64),

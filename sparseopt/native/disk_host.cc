@@ -22,7 +22,8 @@
 //               integer hash, the same roundings, so the same floats);
 // so_cache_*    RowCache's read, write and insert (set-associative, LRU/LFU),
 //               evicted dirty rows staged for so_stage_flush, which writes
-//               them into the files' memory maps.
+//               them into the files' memory maps;
+// so_files_read a read's missed rows from the files' memory maps (RowFiles.read).
 
 #include <algorithm>
 #include <cstdint>
@@ -316,6 +317,35 @@ int64_t so_cache_insert(SoCache* cache, const int64_t* ids, const int64_t* at, i
   for (int64_t k = 0; k < m; ++k) c.rounds[SetOf(c, ids[at[k]])] = 0;
   *c.tick = base + rounds;
   return written;
+}
+
+// The rows `ids[at[k]]` (k < m, uncached: a read's misses) that the files hold
+// (written before) copied from the files' maps into `out` (per column, at row
+// at[k]), in one pass; the indices at[k] of the rows never written (the caller
+// draws them: their files hold nothing) into `fresh`. Returns how many are fresh.
+int64_t so_files_read(SoCache* cache, const int64_t* ids, const int64_t* at, int64_t m,
+                      uint8_t** out, int64_t* fresh) {
+  const SoCache& c = *cache;
+  int64_t count = 0;
+  for (int64_t k = 0; k < m; ++k) {
+    if (k + kAhead < m) {
+      const int64_t next = ids[at[k + kAhead]];
+      __builtin_prefetch(c.written + (next >> 3));
+      for (int64_t j = 0; j < c.columns; ++j) {
+        __builtin_prefetch(c.files[j] + next * c.row_bytes[j]);
+      }
+    }
+    const int64_t row = at[k], id = ids[row];
+    if (!((c.written[id >> 3] >> (id & 7)) & 1)) {
+      fresh[count++] = row;
+      continue;
+    }
+    for (int64_t j = 0; j < c.columns; ++j) {
+      std::memcpy(out[j] + row * c.row_bytes[j], c.files[j] + id * c.row_bytes[j],
+                  c.row_bytes[j]);
+    }
+  }
+  return count;
 }
 
 // Writes the staged rows into the files, in the order they were staged (where
