@@ -38,6 +38,11 @@ class RowGrads:
         read: for an int8 table or a table on disk, float32 `[N, width]`: each
             id's row as the forward pass read it (the optimizer updates those:
             `RowStorage.reads_lookups`); None otherwise.
+        state: for a table on disk whose lookup ran in a training call,
+            `{slot: [N, ...]}`: each id's per-row optimizer state as the same
+            host call read it with its row (the optimizer starts from it, as
+            from `read`, instead of reading it from the host again); None
+            otherwise (the optimizer then reads it from the host).
     """
 
     ids: Any
@@ -45,6 +50,7 @@ class RowGrads:
     calls: int = 1
     changed: Any = None
     read: Any = None
+    state: Any = None
 
     def scaled(self, factor):
         """The same record with every gradient times the scalar `factor`."""
@@ -81,12 +87,16 @@ class RowGrads:
                 f"{owner} was called {len(changed)} times in one training step; its map "
                 "admits ids once per step. Pass all of the step's features in one call "
                 "(`layer([ids_a, ids_b])` returns one output per feature).")
-        read = None
+        read = state = None
         if all(r.read is not None for r in records):
             read = ops.concatenate([r.read for r in records], axis=0)
+        if all(r.state is not None for r in records):
+            state = {name: ops.concatenate([r.state[name] for r in records], axis=0)
+                     for name in records[0].state}
         return RowGrads(ops.concatenate([r.ids for r in records], axis=0),
                         concatenate([r.grads for r in records]),
-                        sum(r.calls for r in records), changed[0] if changed else None, read)
+                        sum(r.calls for r in records), changed[0] if changed else None, read,
+                        state)
 
 
 class Distinct(NamedTuple):

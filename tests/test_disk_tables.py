@@ -364,6 +364,36 @@ def test_averages_and_catch_up_between_steps_on_disk_as_in_memory(tmp_path,
     assert {16, 40 % 16} <= set(parts_of_16_rows)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_a_training_lookup_reads_the_rows_state_for_the_optimizer_in_its_host_call(
+        tmp_path, monkeypatch, dtype):
+    # The optimizer starts from the per-row state the step's lookup read with the rows
+    # (`RowGrads.state`): a step makes one host read (the lookup's) and one write, not
+    # a second read for the state; `predict` reads the rows alone. (The values are those
+    # of the same table in memory: the registry's exactness tests.)
+    reads = []
+    read_host = disk_table.DiskTable._read_host
+
+    def counted(self, ids, names, lookup=False):
+        reads.append(tuple(names))
+        return read_host(self, ids, names, lookup)
+
+    monkeypatch.setattr(disk_table.DiskTable, "_read_host", counted)
+    ids = keras.Input((3,), dtype="int32")
+    layer = sparseopt.layers.SparseEmbedding(
+        40, 4, sparseopt.updaters.Adam(0.05), storage=OnDisk(str(tmp_path / "t"), cache_rows=8),
+        name="e", dtype=dtype)
+    model = keras.Model(ids, keras.layers.Dense(1)(layer(ids)))
+    model.compile(optimizer=sparseopt.DispatchOptimizer("sgd"), loss="mse")
+    x = np.random.default_rng(0).integers(0, 40, (32, 3)).astype("int32")
+    model.fit(x, np.ones((32, 1), "float32"), batch_size=8, epochs=2, verbose=0)
+    stored = ("rows", "scale") if dtype == "int8" else ("rows",)
+    assert reads == [stored + ("momentum", "velocity")] * 8, reads  # (8 steps: one read each)
+    reads.clear()
+    model.predict(x, batch_size=8, verbose=0)
+    assert reads == [stored] * 4, reads
+
+
 def test_ids_outside_a_table_on_disk_look_up_none_of_its_rows(tmp_path):
     # They read zeros and are not lookups of any row: nothing cached, counted or written.
     ids = keras.Input((3,), dtype="int32")

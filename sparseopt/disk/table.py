@@ -198,12 +198,35 @@ class DiskTable:
             lookup: whether a layer's lookup reads them (`read`'s): False for a step's
                 own reads of its rows.
         """
+        return self.read_rows_and_state(ids, (), lookup)[0]
+
+    def read_rows_and_state(self, ids, slots=None, lookup=True):
+        """`(rows, {slot: values})` at `ids`, in one host call (traced): the rows as
+        `read_rows` reads them, and per-row slots as `read` reads them. A training
+        step's lookup reads both: its optimizer starts from them (`RowGrads.state`),
+        and makes no host call of its own to read the state.
+
+        Args:
+            ids: int ids, any shape.
+            slots: the per-row slots' names; None: every one the table keeps (`slots`).
+            lookup: as for `read_rows`.
+        """
+        slots = self.slots if slots is None else tuple(slots)
+        stored = (ROWS, int8_columns.SCALE) if self.int8 else (ROWS,)
+        values = self.read(ids, stored + slots, lookup=lookup)
+        state = dict(zip(slots, values[len(stored):]))
         if not self.int8:
-            return self.read(ids, lookup=lookup)[0]
-        codes, scale = self.read(ids, (ROWS, int8_columns.SCALE), lookup=lookup)
+            return values[0], state
+        codes, scale = values[:2]
         # (Ids outside the table read codes 0 and scale 0: zeros, not 0 / 0.)
         return ops.where(ops.expand_dims(ops.equal(scale, 0.0), -1), 0.0,
-                         quantization.dequantize(codes, scale))
+                         quantization.dequantize(codes, scale)), state
+
+    @property
+    def slots(self):
+        """The per-row slots' names: every column but the rows (an int8 table's codes)
+        and an int8 table's scales."""
+        return tuple(n for n in self.columns if n not in (ROWS, int8_columns.SCALE))
 
     def number(self, ids):
         """The step's valid ids numbered in the order of their last occurrence by the host

@@ -106,12 +106,29 @@ class Context:
         Raises:
             ValueError: `finds(ids)` does not hold.
         """
+        return backend.gather(self.record.read, self._at(ids))
+
+    def state_read(self, ids, names):
+        """`{name: [M, ...]}`: each id's per-row slots `names` as the step's lookups read
+        them with its row (`RowGrads.state`), or None where they did not read them all
+        (the storage then reads them where they are kept).
+
+        Raises:
+            ValueError: `finds(ids)` does not hold.
+        """
+        state = self.record.state
+        if state is None or any(name not in state for name in names):
+            return None
+        at = self._at(ids)
+        return {name: backend.gather(state[name], at) for name in names}
+
+    def _at(self, ids):
+        """Where each of `ids` (the step's distinct ids) is in the step's record."""
         if not self.finds(ids):
             raise ValueError("the rows of a chunk of a step's distinct ids cannot be found "
                              "by their positions; read them from where they are kept")
-        at = (self.positions if self.positions is not None
-              else backend.gather(self.workspace.value, ids + self.offset))
-        return backend.gather(self.record.read, at)
+        return (self.positions if self.positions is not None
+                else backend.gather(self.workspace.value, ids + self.offset))
 
 
 def prepare(record, num_rows, workspace=None, split=False, numbering=None):

@@ -190,13 +190,17 @@ class SparseLookup:
                 dropped, in training or not.)
         """
         valid, safe_ids, update_ids = self._prepare(ids)
-        read = self._read(safe_ids, valid)
+        read, state = self._read(safe_ids, valid)
         rows = ops.where(ops.expand_dims(valid, -1), ops.cast(read, self.compute_dtype), 0.0)
         # The rows of an int8 table or a table on disk travel with their gradients
-        # (`RowGrads.read`): its step starts from them (`RowStorage.reads_lookups`).
+        # (`RowGrads.read`): its step starts from them (`RowStorage.reads_lookups`); so
+        # does the per-row state a training lookup of a table on disk read with them.
         kept = ops.reshape(read, (-1, self.table.shape[1])) if self.beside_variables else None
+        if state is not None:
+            state = {name: ops.reshape(value, (-1,) + tuple(value.shape[len(ids.shape):]))
+                     for name, value in state.items()}
         return backend.tap(rows, self.probe.value, update_ids, self._on_backward,
-                           aux=(None, changed, kept), marks=self.marks_non_finite)
+                           aux=(None, changed, kept, state), marks=self.marks_non_finite)
 
     def pooled(self, ids, combiner="sum", changed=None):
         """The rows of each bag of ids (the last axis), summed or averaged.
@@ -271,7 +275,9 @@ class SparseLookup:
         return valid, safe_ids, update_ids
 
     def _read(self, safe_ids, valid):
-        """The rows `safe_ids` as stored (float32 for an int8 table).
+        """`(rows, state)`: the rows `safe_ids` as stored (float32 for an int8 table), and
+        for a table on disk in a training call, its per-row slots at them (read with the
+        rows, in one host call: `{slot: values}`), else None.
 
         Args:
             safe_ids: the ids, invalid ones replaced by 0.
@@ -279,20 +285,23 @@ class SparseLookup:
                 others: no lookup of row 0 is counted or cached for them).
         """
         if self.int8 is not None:
-            return self.int8.read(safe_ids)
+            return self.int8.read(safe_ids), None
         if self.on_disk:
             archive = compat.exporting()
             if archive is not None:  # a SavedModel serves without the host
                 with compat.read_as_stored():
-                    return backend.read_rows(self.exported.read_by(archive), safe_ids)
-            return self.table.read_rows(ops.where(valid, safe_ids, -1))
+                    return backend.read_rows(self.exported.read_by(archive), safe_ids), None
+            ids = ops.where(valid, safe_ids, -1)
+            if not compat.in_training_call():  # (predict, evaluate: no state to carry)
+                return self.table.read_rows(ids), None
+            return self.table.read_rows_and_state(ids)
         with compat.read_as_stored():
-            return backend.read_rows(self.table, safe_ids)
+            return backend.read_rows(self.table, safe_ids), None
 
     def _on_backward(self, ids, grads, aux):
         width = self.table.shape[1]
         self._record(grads, RowGrads(ops.reshape(ids, (-1,)), ops.reshape(grads, (-1, width)),
-                                     changed=aux[1], read=aux[2]))
+                                     changed=aux[1], read=aux[2], state=aux[3]))
 
     def _on_backward_pooled(self, ids, grads, aux):
         weight, changed = aux

@@ -118,8 +118,13 @@ class DiskRows(RowStorage):
             raise ValueError(f"{_named(self.table)}: its step has no rows read by its "
                              "lookup; it can only be trained from `SparseLookup` calls.")
         if context.finds(ids):
-            state = self.table.read(ids, self.per_row) if self.per_row else ()
-            return context.rows_read(ids), dict(zip(self.per_row, state))
+            # (The per-row state a training lookup read with the rows; else from the
+            # host, which serves it from the lookup's read of the cache.)
+            state = context.state_read(ids, self.per_row)
+            if state is None:
+                found = self.table.read(ids, self.per_row) if self.per_row else ()
+                state = dict(zip(self.per_row, found))
+            return context.rows_read(ids), state
         # A chunk of the step's rows (a whole slot's sums over more than a chunk):
         # from the host, which serves them from the lookup's read.
         if self.table.int8:
