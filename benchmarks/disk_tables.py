@@ -23,7 +23,7 @@ much as 1.5x; interleaved, a slow spell slows all). Prints each median step
 time and every run's, the median's ratio to the in-memory one (the issue's goal: a 5%
 cache at >= 0.5x the in-memory throughput, i.e. <= 2x its step), the processor time
 the process took a step (every thread's: against the step's wall time, how many of
-the machine's cores a step keeps busy), the hit
+the machine's cores a step keeps busy; the end of `fit`'s flush is in it), the hit
 rate, the bytes read from and written to the files per timed step, and
 where the table's host work went per timed step (`disk_stats()`): in the
 step's host calls, which the step waits for (of which, waiting for the
@@ -137,8 +137,9 @@ def run(args, storage, warm, timed, from_python=False):
     m.fit(timed[0], timed[1], batch_size=args.batch, shuffle=False, verbose=0)
     fit_ms = 1e3 * (time.perf_counter() - t0)
     # The processor time the whole process took a step, every thread's (XLA's, the
-    # table's beside the step, Keras' loop; the end of fit's flush included): against the step's wall time, how much of
-    # the machine's cores a step keeps busy.
+    # table's beside the step, Keras' loop; the end of fit's flush too, unlike the
+    # step's wall time): against the step's wall time, how much of the machine's
+    # cores a step keeps busy.
     cpu_ms = 1e3 * (time.process_time() - c0) / args.steps
     after = emb.disk_stats()
     if after is not None:

@@ -397,21 +397,6 @@ def wrapper_building(optimizer):
     return None
 
 
-def in_training_call():
-    """Whether the layer call at work is a training one: `training=True` given to it or to
-    an outer layer's call (Keras' call context, `Layer.__call__`'s resolution of
-    `training`, as `Dropout` receives it); False outside any layer call.
-
-    A layer without a `training` argument of its own is told nothing: Keras keeps the
-    resolved value in the call context of the outermost call, a global of
-    `keras.src.backend.common.global_state` (`"current_call_ctx"`).
-    """
-    from keras.src.backend.common import global_state
-
-    context = global_state.get_global_attribute("current_call_ctx")
-    return bool(context is not None and context.get_value("training", False))
-
-
 def exporting():
     """The Keras export archive (`model.export`, `keras.export.ExportArchive`) at work on
     the call stack, or None.

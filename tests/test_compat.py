@@ -212,34 +212,6 @@ def test_an_export_is_found_on_the_stack():
     assert compat.exporting() is None
 
 
-def test_a_training_call_is_told_from_an_inference_one():
-    # Keras resolves `training` in the call context of the outermost layer call; a
-    # layer without the argument (a lookup) is told nothing: compat reads the context.
-    seen = []
-
-    class Probe(keras.layers.Layer):
-        def call(self, x):
-            seen.append(compat.in_training_call())
-            return x
-
-    inputs = keras.Input((2,))
-    model = keras.Model(inputs, Probe()(inputs))
-    x = np.zeros((4, 2), "float32")
-    seen.clear()  # (the model's building called it)
-    model(x, training=True)
-    model(x, training=False)
-    model(x)
-    assert seen == [True, False, False]
-    seen.clear()
-    model.predict(x, verbose=0)
-    assert seen and not any(seen)
-    seen.clear()
-    model.compile(optimizer="sgd", loss="mse")
-    model.fit(x, x, verbose=0)
-    assert True in seen  # (fit's step, traced with training=True)
-    assert not compat.in_training_call()  # (outside any layer call)
-
-
 def test_stack_walks_read_what_keras_names():
     """The names the walks read, checked at their source: a rename fails here first."""
     import inspect

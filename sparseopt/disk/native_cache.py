@@ -119,9 +119,16 @@ class NativeRowCache(RowCache):
             return out
 
     def _from_files(self, ids, at, columns, out):
-        """Rows `ids[at]` (uncached) into rows `at` of `out` (`columns`: its pointers), as
-        `RowFiles.read` gives them: copied from the files' maps in one pass of the
-        library's where written (counted as read), drawn where never written."""
+        """Rows `ids[at]` (uncached) into rows `at` of `out`, as `RowFiles.read` gives
+        them: copied from the files' maps in one pass of the library's where written
+        (counted as read), drawn where never written.
+
+        Args:
+            ids: int64 distinct rows of the table (`read_distinct`'s: unchecked).
+            at: int64 indices into `ids` of the rows to read.
+            columns: the pointers to `out`'s columns (`_columns(out)`).
+            out: `{column: values}` of `ids`, written at rows `at`.
+        """
         fresh = np.empty(at.size, np.int64)
         count = self._lib.so_files_read(ctypes.byref(self._cache), host_ops.ptr(ids),
                                         host_ops.ptr(at), ctypes.c_int64(at.size), columns,

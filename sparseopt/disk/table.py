@@ -208,10 +208,11 @@ class DiskTable:
 
         Args:
             ids: int ids, any shape.
-            slots: the per-row slots' names; None: every one the table keeps (`slots`).
+            slots: the per-row slots' names; None: every one the table keeps
+                (`state_columns`).
             lookup: as for `read_rows`.
         """
-        slots = self.slots if slots is None else tuple(slots)
+        slots = self.state_columns if slots is None else tuple(slots)
         stored = (ROWS, int8_columns.SCALE) if self.int8 else (ROWS,)
         values = self.read(ids, stored + slots, lookup=lookup)
         state = dict(zip(slots, values[len(stored):]))
@@ -223,9 +224,9 @@ class DiskTable:
                          quantization.dequantize(codes, scale)), state
 
     @property
-    def slots(self):
-        """The per-row slots' names: every column but the rows (an int8 table's codes)
-        and an int8 table's scales."""
+    def state_columns(self):
+        """The per-row slots' names (their columns): every column but the rows (an int8
+        table's codes) and an int8 table's scales."""
         return tuple(n for n in self.columns if n not in (ROWS, int8_columns.SCALE))
 
     def number(self, ids):

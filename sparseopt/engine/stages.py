@@ -113,6 +113,10 @@ class Context:
         them with its row (`RowGrads.state`), or None where they did not read them all
         (the storage then reads them where they are kept).
 
+        Args:
+            ids: int `[M]`, the step's distinct ids (`finds(ids)`).
+            names: the per-row slots' names.
+
         Raises:
             ValueError: `finds(ids)` does not hold.
         """
@@ -123,7 +127,11 @@ class Context:
         return {name: backend.gather(state[name], at) for name in names}
 
     def _at(self, ids):
-        """Where each of `ids` (the step's distinct ids) is in the step's record."""
+        """Where each of `ids` is in the step's record (one of its positions).
+
+        Args:
+            ids: int `[M]`, the step's distinct ids (`finds(ids)`).
+        """
         if not self.finds(ids):
             raise ValueError("the rows of a chunk of a step's distinct ids cannot be found "
                              "by their positions; read them from where they are kept")

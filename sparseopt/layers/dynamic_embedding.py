@@ -177,8 +177,11 @@ class DynamicEmbedding(SparseEmbedding):
             part = ops.reshape(part, keys_lib.key_shape(feature, self.key_halves))
             # The step's choices travel with one feature's row gradients.
             changed = proposals if i == 0 else None
-            outputs.append(self._lookup(part, changed=changed) if self.combiner is None
-                           else self._lookup.pooled(part, self.combiner, changed=changed))
+            outputs.append(
+                self._lookup(part, changed=changed, training=bool(training))
+                if self.combiner is None else
+                self._lookup.pooled(part, self.combiner, changed=changed,
+                                    training=bool(training)))
         return keras.tree.pack_sequence_as(ids, outputs)
 
     def compute_output_shape(self, input_shape):

@@ -276,18 +276,20 @@ class SparseEmbedding(keras.layers.Layer):
         """Total ids outside `[0, input_dim)` seen so far (a Keras variable)."""
         return self._lookup.num_dropped_ids
 
-    def call(self, ids):
+    def call(self, ids, training=None):
+        # (`training`: Keras gives a training call's, as to `Dropout`; a table on disk's
+        # lookup then reads the rows' per-row state with them, for the optimizer.)
         if self.combiner is None:
-            return self._lookup(ids)
+            return self._lookup(ids, training=bool(training))
         # One gradient per bag reaches the updater (see SparseLookup.pooled).
-        return self._lookup.pooled(ids, self.combiner)
+        return self._lookup.pooled(ids, self.combiner, training=bool(training))
 
     def compute_output_shape(self, input_shape):
         if self.combiner is None:
             return tuple(input_shape) + (self.output_dim,)
         return tuple(input_shape[:-1]) + (self.output_dim,)
 
-    def compute_output_spec(self, ids):
+    def compute_output_spec(self, ids, training=None):
         check_ids_dtype(ids, self.name, self.embeddings.path)
         return keras.KerasTensor(self.compute_output_shape(ids.shape), dtype=self.compute_dtype)
 

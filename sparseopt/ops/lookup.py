@@ -178,7 +178,7 @@ class SparseLookup:
         """Boolean mask of the ids inside `[0, num_rows)`."""
         return ops.logical_and(ops.greater_equal(ids, 0), ops.less(ids, self.table.shape[0]))
 
-    def __call__(self, ids, changed=None):
+    def __call__(self, ids, changed=None, training=False):
         """Returns `table[ids]`, shape `ids.shape + (width,)`; invalid ids give 0.
 
         Args:
@@ -188,9 +188,13 @@ class SparseLookup:
                 gradients (`RowGrads.changed`). (An open vocabulary's ids
                 outside the table are ids it does not hold, never counted as
                 dropped, in training or not.)
+            training: whether this is a training call (the layer's `training`): a
+                table on disk then reads its rows' per-row state with them, for the
+                optimizer (`RowGrads.state`); otherwise the optimizer reads it from
+                the host.
         """
         valid, safe_ids, update_ids = self._prepare(ids)
-        read, state = self._read(safe_ids, valid)
+        read, state = self._read(safe_ids, valid, training)
         rows = ops.where(ops.expand_dims(valid, -1), ops.cast(read, self.compute_dtype), 0.0)
         # The rows of an int8 table or a table on disk travel with their gradients
         # (`RowGrads.read`): its step starts from them (`RowStorage.reads_lookups`); so
@@ -202,7 +206,7 @@ class SparseLookup:
         return backend.tap(rows, self.probe.value, update_ids, self._on_backward,
                            aux=(None, changed, kept, state), marks=self.marks_non_finite)
 
-    def pooled(self, ids, combiner="sum", changed=None):
+    def pooled(self, ids, combiner="sum", changed=None, training=False):
         """The rows of each bag of ids (the last axis), summed or averaged.
 
         Same as reducing `self(ids)` over its id axis, but the backward pass
@@ -215,7 +219,7 @@ class SparseLookup:
             ids: int ids `[..., bag]`; invalid ids read zero and count 0 in a mean.
             combiner: `"sum"` or `"mean"` (over the valid ids of a bag; an
                 empty bag gives zeros).
-            changed: as for `__call__`.
+            changed, training: as for `__call__`.
 
         Returns:
             `[..., width]` in the layer's compute dtype.
@@ -225,7 +229,7 @@ class SparseLookup:
             # crosses devices stays what the sharded update path expects.
             # (int8: each id's row must travel with its gradient; on disk:
             # the rows come from the host, read id by id.)
-            rows = self(ids, changed=changed)
+            rows = self(ids, changed=changed, training=training)
             weight = ops.cast(self.valid(ids), rows.dtype)
             if combiner == "mean":
                 weight = weight / ops.maximum(ops.sum(weight, axis=-1, keepdims=True), 1.0)
@@ -274,7 +278,7 @@ class SparseLookup:
         update_ids = ops.reshape(ops.where(valid, ids, self.table.shape[0]), (-1,))
         return valid, safe_ids, update_ids
 
-    def _read(self, safe_ids, valid):
+    def _read(self, safe_ids, valid, training=False):
         """`(rows, state)`: the rows `safe_ids` as stored (float32 for an int8 table), and
         for a table on disk in a training call, its per-row slots at them (read with the
         rows, in one host call: `{slot: values}`), else None.
@@ -283,6 +287,7 @@ class SparseLookup:
             safe_ids: the ids, invalid ones replaced by 0.
             valid: where the ids are valid (a table on disk reads no row for the
                 others: no lookup of row 0 is counted or cached for them).
+            training: whether this is a training call (`__call__`'s).
         """
         if self.int8 is not None:
             return self.int8.read(safe_ids), None
@@ -292,7 +297,7 @@ class SparseLookup:
                 with compat.read_as_stored():
                     return backend.read_rows(self.exported.read_by(archive), safe_ids), None
             ids = ops.where(valid, safe_ids, -1)
-            if not compat.in_training_call():  # (predict, evaluate: no state to carry)
+            if not training:  # (predict, evaluate: no state to carry)
                 return self.table.read_rows(ids), None
             return self.table.read_rows_and_state(ids)
         with compat.read_as_stored():

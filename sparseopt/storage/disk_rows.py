@@ -4,9 +4,10 @@ The kind of a table given `storage=OnDisk(...)`: its rows and every
 per-row slot are columns of its files (`sparseopt.disk.table.DiskTable`,
 which its layer holds instead of a variable); whole slots (a column's or
 the table's) are optimizer variables as for any table. A step starts from
-the rows its lookups read (already in the compiled step) and reads the
-per-row state of its distinct ids from the cache, the rule runs in the
-compiled step as for rows in memory, and the new values (16-bit ones
+the rows its lookups read and their per-row state, which a training call's
+lookup reads with them (both already in the compiled step: `RowGrads.read`,
+`RowGrads.state`; a step whose lookups did not read the state reads it from
+the cache), the rule runs in the compiled step as for rows in memory, and the new values (16-bit ones
 rounded by the same bits, an int8 table's quantized as the int8 kind
 quantizes them) are written back to the cache: the same values as the
 in-memory kinds', bit for bit.
@@ -39,7 +40,8 @@ class DiskRows(RowStorage):
     # inside a loop over chunks, which would call the host chunk by chunk).
     at_once = True
     # The step's rows are those its lookups read (`RowGrads.read`), already on
-    # the device: only per-row state crosses from the host for the rule.
+    # the device, with their per-row state where a training lookup read it too
+    # (`RowGrads.state`; else it crosses from the host for the rule).
     reads_lookups = True
     # ... and reads any other rows through its host calls too (Lookahead's sync),
     # where keeping an entry per table row in memory is what it avoids.
