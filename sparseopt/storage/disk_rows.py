@@ -7,10 +7,10 @@ the table's) are optimizer variables as for any table. A step starts from
 the rows its lookups read and their per-row state, which a training call's
 lookup reads with them (both already in the compiled step: `RowGrads.read`,
 `RowGrads.state`; a step whose lookups did not read the state reads it from
-the cache), the rule runs in the compiled step as for rows in memory, and the new values (16-bit ones
-rounded by the same bits, an int8 table's quantized as the int8 kind
-quantizes them) are written back to the cache: the same values as the
-in-memory kinds', bit for bit.
+the cache), the rule runs in the compiled step as for rows in memory, and
+the new values (16-bit ones rounded by the same bits, an int8 table's
+quantized as the int8 kind quantizes them) are written back to the cache:
+the same values as the in-memory kinds', bit for bit.
 
 Rows an open vocabulary gives to new ids start afresh through the same
 write (`start`): their first values and every per-row slot's start, in the
