@@ -36,7 +36,7 @@ class OnDisk(TableStorage):
             does on accelerators (on TensorFlow from its `tf.data` pipeline, in
             Python, feeding the same compiled step). Off by default: on the one
             machine it was measured on (2 cores, the files in the page cache) it
-            made the JAX step 10-15% faster and the TensorFlow one no faster, and on
+            made the JAX step 9-15% faster and the TensorFlow one no faster, and on
             TensorFlow `fit` then takes its batches in Python, which costs a step in
             memory too (docs/disk.md, "What it gains"). False: rows are fetched in
             the step that reads them. What a step computes is the same either way.
