@@ -407,8 +407,9 @@ def test_a_training_lookup_reads_the_rows_state_for_the_optimizer_in_its_host_ca
     stored = ("rows", "scale") if dtype == "int8" else ("rows",)
     state = ("momentum", "velocity")
     # 8 steps: one read each; two where `training` is not passed on and Keras' step
-    # calls the model's `call` itself (JAX's; TensorFlow's calls the model, whose
-    # call context gives the layer `training`).
+    # calls the model's `call` itself (JAX's `stateless_call`, Keras 3.15; TensorFlow's
+    # calls the model, whose call context gives the layer `training`: a Keras whose JAX
+    # step did so too would make it one there as well).
     one, two = [stored + state] * 8, [stored, state] * 8
     jax_alone = kind == "not_passing_training" and keras.backend.backend() == "jax"
     assert reads == (two if jax_alone else one), reads
