@@ -171,13 +171,11 @@ class NativeRowCache(RowCache):
         """Caches rows `ids[at]` with rows `at` of `columns`, evicting (staging) others."""
         at = np.ascontiguousarray(at, np.int64)
         self._stage_room(at.size)  # (each insert evicts at most one row)
-        written = int(self._lib.so_cache_insert(
-            ctypes.byref(self._cache), host_ops.ptr(ids), host_ops.ptr(at),
-            ctypes.c_int64(at.size), columns, ctypes.c_int64(int(dirty))))
-        if written < 0:
+        if self._lib.so_cache_insert(ctypes.byref(self._cache), host_ops.ptr(ids),
+                                     host_ops.ptr(at), ctypes.c_int64(at.size), columns,
+                                     ctypes.c_int64(int(dirty))) < 0:
             raise RuntimeError(f"{self.files.owner}: the cache's stage had no room for the "
                                "rows it would evict (none was cached)")
-        self.files.rows_written += written
 
     def flush(self):
         with self.lock:

@@ -51,11 +51,12 @@ extern "C" {
 
 // Distinct ids of `ids` [n] inside [0, num_rows), in the order each first
 // occurs, into `uniq`, and where each first occurs into `first`; `inverse[i]`
-// the index of ids[i] among them (-1 where invalid). `keys`/`values` [capacity] (a power of two >= 2n) receive the
-// index of the distinct ids (key: id, value: its index), for so_find. Returns
-// how many are distinct.
+// the index of ids[i] among them (-1 where invalid). `keys`/`values`
+// [capacity] (a power of two >= 2n) receive the index of the distinct ids
+// (key: id, value: its index), for so_find. Returns how many are distinct.
 int64_t so_unique(const int64_t* ids, int64_t n, int64_t num_rows, int64_t* uniq,
-                  int64_t* first, int64_t* inverse, int64_t* keys, int64_t* values, int64_t capacity) {
+                  int64_t* first, int64_t* inverse, int64_t* keys, int64_t* values,
+                  int64_t capacity) {
   Index index{keys, values, static_cast<uint64_t>(capacity - 1)};
   std::memset(keys, 0xff, sizeof(int64_t) * capacity);
   int64_t count = 0;
@@ -152,10 +153,9 @@ struct SoCache {
   uint8_t* written;   // the files' written-rows bitmap
   int64_t* tick;      // [1]
   int64_t* counts;    // [2] hits, misses
-  // Where evicted dirty rows wait for the files (so_stage_flush), or null
-  // (written into the files at once): a call's evictions are then copied one
-  // after another into memory at hand, and their scattered writes into the
-  // files' maps are left to a thread beside the step.
+  // Where evicted dirty rows wait for the files (so_stage_flush): a call's
+  // evictions are copied one after another into memory at hand, and their
+  // scattered writes into the files' maps are left to a thread beside the step.
   int64_t* stage_ids;    // [stage_capacity]
   uint8_t** stage;       // [columns] rows, [stage_capacity] each
   int64_t stage_capacity;
@@ -168,11 +168,30 @@ inline int64_t SetOf(const SoCache& c, int64_t id) {
   return static_cast<int64_t>(Mix(static_cast<uint64_t>(id)) % static_cast<uint64_t>(c.sets));
 }
 
-// Asks for the lines of the set of `id`: its tags, and its ticks.
+// Asks for the lines of the set of `id`: its tags, ticks, uses and dirty flags
+// (a set's tags or ticks may straddle two lines: both ends are asked for).
 inline void Prefetch(const SoCache& c, int64_t id) {
-  const int64_t base = SetOf(c, id) * c.ways;
+  const int64_t base = SetOf(c, id) * c.ways, end = base + c.ways - 1;
   __builtin_prefetch(c.tags + base);
+  __builtin_prefetch(c.tags + end);
   __builtin_prefetch(c.last + base);
+  __builtin_prefetch(c.last + end);
+  __builtin_prefetch(c.uses + base);
+  __builtin_prefetch(c.dirty + base);
+}
+
+// Asks for the lines of row `at` of each column of `rows` (`write`: to be written).
+inline void PrefetchRow(const SoCache& c, uint8_t* const* rows, int64_t at, bool write) {
+  for (int64_t j = 0; j < c.columns; ++j) {
+    const uint8_t* row = rows[j] + at * c.row_bytes[j];
+    if (write) {
+      __builtin_prefetch(row, 1);
+      __builtin_prefetch(row + c.row_bytes[j] - 1, 1);  // (a row need not start on a line)
+    } else {
+      __builtin_prefetch(row);
+      __builtin_prefetch(row + c.row_bytes[j] - 1);
+    }
+  }
 }
 
 // The entry holding `id`, or -1.
@@ -217,31 +236,20 @@ inline void ToFiles(const SoCache& c, int64_t id, uint8_t* const* rows, int64_t 
   c.written[id >> 3] |= static_cast<uint8_t>(1u << (id & 7));
 }
 
-// Entry `e`'s dirty row, evicted: into the stage where the cache has one (its
-// caller made room), else into the files.
-inline void WriteBack(SoCache& c, int64_t e) {
-  const int64_t id = c.tags[e];
-  if (c.stage_ids != nullptr) {
-    const int64_t s = (*c.staged)++;
-    c.stage_ids[s] = id;
-    for (int64_t k = 0; k < c.columns; ++k) {
-      std::memcpy(c.stage[k] + s * c.row_bytes[k], c.data[k] + e * c.row_bytes[k],
-                  c.row_bytes[k]);
-    }
-  } else {
-    ToFiles(c, id, c.data, e);
-  }
-  c.dirty[e] = 0;
-}
-
 // The entries holding distinct `ids` [m], touched: each row copied from the
 // cache into `rows` (per column, row k for ids[k]), or, `writing`, from `rows`
 // into the cache, marked dirty; the indices of uncached ids into `missed`.
 // Returns how many were uncached.
+//
+// Two passes: the first finds each id's entry (its set's lines asked for
+// ahead), the second copies the rows, asking ahead for the lines of the
+// entries it will copy next, which only the first pass knows: a row of the
+// cache lies at random, and its load would otherwise wait, id after id.
 int64_t Hits(SoCache& c, const int64_t* ids, int64_t m, uint8_t** rows, int64_t* missed,
              bool writing) {
   const int64_t tick = ++*c.tick;
-  int64_t count = 0;
+  std::vector<int64_t> entry(m), at(m);  // the hits: their entries, and k
+  int64_t count = 0, found = 0;
   for (int64_t k = 0; k < m; ++k) {
     if (k + kAhead < m) Prefetch(c, ids[k + kAhead]);
     const int64_t e = Find(c, ids[k]);
@@ -249,6 +257,15 @@ int64_t Hits(SoCache& c, const int64_t* ids, int64_t m, uint8_t** rows, int64_t*
       missed[count++] = k;
       continue;
     }
+    entry[found] = e;
+    at[found++] = k;
+  }
+  for (int64_t h = 0; h < found; ++h) {
+    if (h + kAhead < found) {
+      PrefetchRow(c, c.data, entry[h + kAhead], writing);
+      PrefetchRow(c, rows, at[h + kAhead], !writing);
+    }
+    const int64_t e = entry[h], k = at[h];
     for (int64_t j = 0; j < c.columns; ++j) {
       uint8_t* cached = c.data[j] + e * c.row_bytes[j];
       uint8_t* given = rows[j] + k * c.row_bytes[j];
@@ -282,33 +299,36 @@ int64_t so_cache_write(SoCache* cache, const int64_t* ids, int64_t m, uint8_t** 
 }
 
 // Caches distinct uncached rows `ids[at[k]]` (k < m) with values row `at[k]`
-// of `values` (per column), dirty or not, evicting others (dirty ones staged,
-// or written into the files where the cache has no stage). Rows of one set are
-// placed in their order, each in a round of its own (round r ticks once after
-// round r-1), as RowCache._insert. Returns how many rows were written into the
-// files, or -1, changing nothing, where the stage has no room for m more (a row
-// written into the files past a full stage would be overwritten by an older
-// staged copy of it when the stage drains).
+// of `values` (per column), dirty or not, evicting others (dirty ones staged).
+// Rows of one set are placed in their order, each in a round of its own (round
+// r ticks once after round r-1), as RowCache._insert. Returns 0, or -1,
+// changing nothing, where the stage has no room for m more (its caller makes
+// room: each row evicts at most one).
 int64_t so_cache_insert(SoCache* cache, const int64_t* ids, const int64_t* at, int64_t m,
                         uint8_t** values, int64_t dirty) {
   SoCache& c = *cache;
-  if (c.stage_ids != nullptr && *c.staged + m > c.stage_capacity) return -1;
+  if (*c.staged + m > c.stage_capacity) return -1;
   const int64_t base = *c.tick;
-  int64_t rounds = 0, written = 0;
+  int64_t rounds = 0;
+  // Two passes, as Hits: the first picks each row's entry and does the
+  // bookkeeping (tags, flags, ticks; which evicted rows go where), the second
+  // copies rows, asking ahead for the lines of the entries it copies next. In
+  // order, so where a call's rows evict one another (more than a set's ways),
+  // each evicted copy is the one before it.
+  // Each row's entry, and where its evicted row goes in the stage (-1: nowhere).
+  std::vector<int64_t> entry(m), out(m);
   for (int64_t k = 0; k < m; ++k) {
     if (k + kAhead < m) Prefetch(c, ids[at[k + kAhead]]);
     const int64_t row = at[k], set = SetOf(c, ids[row]);
     const int64_t round = c.rounds[set]++;
     rounds = round + 1 > rounds ? round + 1 : rounds;
     const int64_t e = Victim(c, set);
+    out[k] = -1;
     if (c.tags[e] >= 0 && c.dirty[e]) {
-      written += c.stage_ids == nullptr;
-      WriteBack(c, e);
+      out[k] = (*c.staged)++;
+      c.stage_ids[out[k]] = c.tags[e];
     }
-    for (int64_t j = 0; j < c.columns; ++j) {
-      std::memcpy(c.data[j] + e * c.row_bytes[j], values[j] + row * c.row_bytes[j],
-                  c.row_bytes[j]);
-    }
+    entry[k] = e;
     c.tags[e] = ids[row];
     c.dirty[e] = static_cast<uint8_t>(dirty != 0);
     c.uses[e] = 0;
@@ -316,7 +336,24 @@ int64_t so_cache_insert(SoCache* cache, const int64_t* ids, const int64_t* at, i
   }
   for (int64_t k = 0; k < m; ++k) c.rounds[SetOf(c, ids[at[k]])] = 0;
   *c.tick = base + rounds;
-  return written;
+  for (int64_t k = 0; k < m; ++k) {
+    if (k + kAhead < m) {
+      PrefetchRow(c, c.data, entry[k + kAhead], true);
+      PrefetchRow(c, values, at[k + kAhead], false);
+    }
+    const int64_t e = entry[k];
+    if (out[k] >= 0) {
+      for (int64_t j = 0; j < c.columns; ++j) {
+        std::memcpy(c.stage[j] + out[k] * c.row_bytes[j], c.data[j] + e * c.row_bytes[j],
+                    c.row_bytes[j]);
+      }
+    }
+    for (int64_t j = 0; j < c.columns; ++j) {
+      std::memcpy(c.data[j] + e * c.row_bytes[j], values[j] + at[k] * c.row_bytes[j],
+                  c.row_bytes[j]);
+    }
+  }
+  return 0;
 }
 
 // The rows `ids[at[k]]` (k < m, uncached: a read's misses) that the files hold
@@ -353,7 +390,14 @@ int64_t so_files_read(SoCache* cache, const int64_t* ids, const int64_t* at, int
 int64_t so_stage_flush(SoCache* cache) {
   SoCache& c = *cache;
   const int64_t count = *c.staged;
-  for (int64_t s = 0; s < count; ++s) ToFiles(c, c.stage_ids[s], c.stage, s);
+  for (int64_t s = 0; s < count; ++s) {
+    if (s + kAhead < count) {  // (the files' rows lie at random: asked for ahead)
+      const int64_t next = c.stage_ids[s + kAhead];
+      PrefetchRow(c, c.files, next, true);
+      __builtin_prefetch(c.written + (next >> 3), 1);
+    }
+    ToFiles(c, c.stage_ids[s], c.stage, s);
+  }
   *c.staged = 0;
   return count;
 }
