@@ -4,7 +4,8 @@ The same arrays (tags, dirty flags, uses, ticks, rows), the same sets and
 victims, the same counts: the library's loops (`so_cache_*` in
 `sparseopt/native/disk_host.cc`) change them as `RowCache`'s NumPy passes
 would (tests/test_disk_native.py compares the two, array for array), in
-one pass over a call's ids instead of a dozen.
+one or two passes over a call's ids instead of a dozen (entries found, then
+rows copied, the lines of the entries next asked for ahead).
 
 Evicted dirty rows are staged: copied one after another into memory at
 hand, and written into the files' memory maps (scattered writes, the

@@ -4,8 +4,10 @@
 // batch's ids deduplicated, their rows found in the cache or read from the
 // files, rows evicted written back. NumPy does this in a dozen vectorized
 // passes over the ids, each with its own temporary arrays (about 20 ms a step
-// for 13k distinct ids of 32k); these loops make one pass each. A C interface,
-// no framework headers: the library serves JAX and TensorFlow alike.
+// for 13k distinct ids of 32k); these loops make one or two passes each (the
+// cache's: entries found, then rows copied with the next entries' lines asked
+// for ahead). A C interface, no framework headers: the library serves JAX and
+// TensorFlow alike.
 //
 // Every function computes what its NumPy counterpart in sparseopt/disk does,
 // to the same result (tests/test_disk_native.py compares them):
@@ -169,7 +171,7 @@ inline int64_t SetOf(const SoCache& c, int64_t id) {
 }
 
 // Asks for the lines of the set of `id`: its tags, ticks, uses and dirty flags
-// (a set's tags or ticks may straddle two lines: both ends are asked for).
+// (a set's tags, ticks or uses may straddle two lines: both ends are asked for).
 inline void Prefetch(const SoCache& c, int64_t id) {
   const int64_t base = SetOf(c, id) * c.ways, end = base + c.ways - 1;
   __builtin_prefetch(c.tags + base);
@@ -177,6 +179,7 @@ inline void Prefetch(const SoCache& c, int64_t id) {
   __builtin_prefetch(c.last + base);
   __builtin_prefetch(c.last + end);
   __builtin_prefetch(c.uses + base);
+  __builtin_prefetch(c.uses + end);
   __builtin_prefetch(c.dirty + base);
 }
 
