@@ -122,7 +122,7 @@ class NativeRowCache(RowCache):
     def _from_files(self, ids, at, columns, out):
         """Rows `ids[at]` (uncached) into rows `at` of `out`, as `RowFiles.read` gives
         them: copied from the files' maps in one pass of the library's where written
-        (counted as read), drawn where never written.
+        (counted as read), drawn where never written (`RowFiles.draw_into`).
 
         Args:
             ids: int64 distinct rows of the table (`read_distinct`'s: unchecked).
@@ -136,9 +136,7 @@ class NativeRowCache(RowCache):
                                         host_ops.ptr(fresh))
         self.files.rows_read += int(at.size - count)
         if count:
-            fresh = fresh[:count]
-            for name, values in self.files.initial(ids[fresh]).items():
-                out[name][fresh] = values
+            self.files.draw_into(out, ids, fresh[:count])
 
     def peek(self, ids):
         with self.lock:

@@ -187,22 +187,22 @@ class RowFiles:
         where = np.where(fresh, -1, ids)
         out = {name: host_ops.gather(self.maps[name], where) for name in self.columns}
         if fresh.any():
-            for name, values in self.initial(ids[fresh]).items():
-                out[name][fresh] = values
+            self.draw_into(out, ids, fresh)
         return out
 
-    def initial(self, ids):
-        """`{column: values}` rows `ids` start with (never written), in the column's dtype
-        (a column starting at a constant: that value, to broadcast).
+    def draw_into(self, out, ids, where):
+        """Rows `ids[where]` (never written) take the values they start with, at `where` in
+        `out`, in each column's dtype (a column starting at a constant: that value).
 
         Args:
+            out: `{column: values}` of `ids`, one row per id.
             ids: int64 rows of the table.
+            where: the entries to draw: a boolean mask over `ids`, or their indices.
         """
-        out = {}
+        drawn = ids[where]
         for name, col in self.columns.items():
-            start = col.initial(ids) if callable(col.initial) else col.initial
-            out[name] = np.asarray(start).astype(self.maps[name].dtype)
-        return out
+            start = col.initial(drawn) if callable(col.initial) else col.initial
+            out[name][where] = np.asarray(start).astype(self.maps[name].dtype)
 
     def write(self, ids, values):
         """Writes `values` (`{column: [M, *tail]}`, every column) of distinct rows `ids`.

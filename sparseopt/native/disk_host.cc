@@ -371,9 +371,7 @@ int64_t so_files_read(SoCache* cache, const int64_t* ids, const int64_t* at, int
     if (k + kAhead < m) {
       const int64_t next = ids[at[k + kAhead]];
       __builtin_prefetch(c.written + (next >> 3));
-      for (int64_t j = 0; j < c.columns; ++j) {
-        __builtin_prefetch(c.files[j] + next * c.row_bytes[j]);
-      }
+      PrefetchRow(c, c.files, next, false);
     }
     const int64_t row = at[k], id = ids[row];
     if (!((c.written[id >> 3] >> (id & 7)) & 1)) {
