@@ -46,10 +46,20 @@ def rows_like(table, ndim):
     vocabulary's map): the table's row split, nothing else split.
 
     Args:
-        table: the table's Keras variable.
+        table: the table's Keras variable, or its table on disk
+            (`sparseopt.disk.DiskTable`: split by rows as the active
+            distribution's `LayoutMap` says for its path, or None).
         ndim: the array's rank (1 or more).
     """
     layout = compat.layout_of(table)
+    distribution = keras.distribution.distribution()
+    if layout is None and not isinstance(table, keras.Variable) and distribution is not None:
+        # A table on disk is no variable: its shards follow its path's layout
+        # (`check_on_this_host`), and so do the arrays indexed by its rows. Where
+        # its rows are not split, None, as for a variable of no layout.
+        layout = _layout_of(distribution, table.path, table.shape)
+        if layout.axes[0] is None:
+            return None
     if layout is None:
         return None
     return keras.distribution.TensorLayout((layout.axes[0],) + (None,) * (ndim - 1),

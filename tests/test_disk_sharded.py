@@ -2,7 +2,8 @@
 
 Through `fit`, as users train them: `tests/jobs/disk_sharded_job.py`, a child
 with 4 devices (`row_sharded` splits each table into 4 shards, against the same
-tables whole under the same batch split: bit for bit; saves, loads, backups).
+tables whole under the same batch split: bit for bit; saves, loads, backups; open
+vocabularies too, their maps split with their rows).
 Here also, at the host level, what `fit` cannot produce on demand: a save
 interrupted between two shards, and a load that fails on one shard.
 """

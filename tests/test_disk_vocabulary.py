@@ -278,7 +278,7 @@ def test_an_open_vocabulary_is_exported_with_its_rows(tmp_path, on_disk):
 @pytest.mark.jax_session  # (a keras.distribution is JAX's; TF's strategies: test_disk_tables)
 def test_an_open_vocabulary_on_disk_split_over_one_device_is_whole(tmp_path):
     # (Data parallel, it trains: test_disk_tables' data-parallel child trains one. Split
-    # over several devices, it is refused, naming it: tests/jobs/disk_sharded_job.py.)
+    # over several devices, as shards with its map split: tests/jobs/disk_sharded_job.py.)
     with sparseopt.distribution.row_sharded(tables=[r".*/embeddings"]).scope():
         _, layer = _one(tmp_path / "v")
     assert layer.embeddings.parts() == [layer.embeddings]

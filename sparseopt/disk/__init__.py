@@ -28,6 +28,6 @@ and writes a step's rows through it. The modules:
 - `snapshots.py`: what a save holds of a table on disk: sparse, crash-safe
   copies of its files in its folder, which a load copies back.
 
-Next: incremental snapshots, shards over several processes, and the open
-vocabulary's map on disk (docs/disk.md).
+Next: shards over several processes, and the open vocabulary's map on disk
+(docs/disk.md).
 """

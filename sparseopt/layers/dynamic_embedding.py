@@ -5,7 +5,7 @@ import numpy as np
 from keras import ops
 
 from sparseopt import backend, distribution
-from sparseopt.layers.sparse_embedding import SparseEmbedding, disk_record, snapshot_of
+from sparseopt.layers.sparse_embedding import SparseEmbedding, snapshot_of
 from sparseopt.ops.lookup import PlainOptimizerGuard, check_ids_dtype, layer_state
 from sparseopt.vocabulary import keys as keys_lib
 from sparseopt.vocabulary import new_rows, tombstones
@@ -110,12 +110,15 @@ class DynamicEmbedding(SparseEmbedding):
     def build(self, input_shape=None):
         super().build(input_shape)
         split = distribution.rows_like(self.embeddings, 1)
-        if self.int8 is not None and split is not None and split.axes[0] is not None:
+        # (On disk, no table variable is split: only the map's arrays, which an int8
+        # table's rows and a trained default row leave alone.)
+        in_memory_split = not self.on_disk and split is not None and split.axes[0] is not None
+        if self.int8 is not None and in_memory_split:
             raise ValueError(
                 f"DynamicEmbedding '{self.name}': an int8 open vocabulary split by rows over "
                 "devices is not supported yet. Split a float32 or bfloat16 one, or keep the "
                 "int8 one on each device (replicated).")
-        if self.default_row == "trained" and split is not None and split.axes[0] is not None:
+        if self.default_row == "trained" and in_memory_split:
             raise ValueError(
                 f"DynamicEmbedding '{self.name}': a trained default row makes the table "
                 f"capacity + 1 rows, which its map (capacity rows) cannot be split by rows "
@@ -227,8 +230,7 @@ class DynamicEmbedding(SparseEmbedding):
         (`OpenVocabulary.variables`, its hand-over with it), taken together between
         steps: a snapshot and the map of one moment."""
         if self.on_disk:
-            with backend.outside_trace():
-                table = [disk_record(self.embeddings.snapshot(), self.embeddings.shape)]
+            table = [self._snapshot_record()]
         else:
             if self.int8 is not None:
                 with backend.outside_trace():
@@ -314,11 +316,17 @@ class DynamicEmbedding(SparseEmbedding):
                 "default_row": self.default_row, **self.vocabulary.get_config()}
 
     def _check_shards(self, path, shards):
-        raise ValueError(
-            f"Layer '{self.name}': the distribution splits its open vocabulary on disk "
-            f"('{path}') over {shards} devices, which is not supported yet (its map is one, "
-            "in memory). Leave its path out of the LayoutMap: it then trains data parallel, "
-            "as one table.")
+        # The map's arrays (a row each) are split with the table's rows over the devices
+        # (`_add_state`), which JAX requires to divide evenly; the table's shards on
+        # disk need not (a trained default row makes it `capacity + 1` rows).
+        if self._capacity % shards:
+            fixed = -(-self._capacity // shards) * shards
+            raise ValueError(
+                f"DynamicEmbedding '{self.name}': the distribution splits its open vocabulary "
+                f"on disk ('{path}') by rows over {shards} devices, and its map with it, "
+                f"which must divide its capacity ({self._capacity}) evenly. Use capacity="
+                f"{fixed} (the next multiple of {shards}), or leave its path out of the "
+                "LayoutMap (it then trains data parallel, as one table).")
 
 
 class _DiskRows:

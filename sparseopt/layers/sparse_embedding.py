@@ -320,10 +320,7 @@ class SparseEmbedding(keras.layers.Layer):
         after writing the last step's rows into them.
         """
         if self.on_disk:
-            # The file holds the name of a snapshot of the table's files (in its folder).
-            with backend.outside_trace():
-                store["0"] = disk_record(self.embeddings.snapshot(), self.embeddings.shape,
-                                         len(self.embeddings.parts()))
+            store["0"] = self._snapshot_record()
             return
         if self.int8 is not None:
             with backend.outside_trace():
@@ -331,6 +328,13 @@ class SparseEmbedding(keras.layers.Layer):
             store["0"], store["1"] = self.embeddings, self.embeddings_scale
             return
         store["0"] = self.embeddings
+
+    def _snapshot_record(self):
+        """A table on disk's entry in a weights file: a snapshot of its files (of every
+        shard's, in its folder) taken now, named, with its shape and shards."""
+        with backend.outside_trace():
+            return disk_record(self.embeddings.snapshot(), self.embeddings.shape,
+                               len(self.embeddings.parts()))
 
     def load_own_variables(self, store):
         """Loads the table, also from files of sparseopt 0.1.0.

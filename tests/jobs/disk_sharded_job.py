@@ -18,7 +18,7 @@ under `DataParallel` (the tables whole; the same batch split over the same devic
   shard back; a file of the split tables refuses to load into the whole ones;
 - `BackupAndRestore` backs every shard up and removes every shard's snapshots with its
   backups; `TableHealth` reports the split tables' times summed over their shards;
-- an open vocabulary split over the devices on disk is refused, naming it.
+- open vocabularies on disk split by rows (their maps split with them) train as whole.
 
 Prints "shards 4, equal" where all holds (an AssertionError otherwise).
 """
@@ -32,7 +32,11 @@ import numpy as np
 
 import sparseopt
 from sparseopt.storage import OnDisk
+from tests.test_disk_tables import SUPPORTED as VOCABULARY_CASES
 from tests.test_disk_tables import WRAPPER_CASES, _data, _heads, _model, _set_heads
+from tests.test_disk_vocabulary import CAPACITY
+from tests.test_disk_vocabulary import _data as vocabulary_data
+from tests.test_disk_vocabulary import _model as vocabulary_model
 
 CASES = {"RowwiseAdagrad": (sparseopt.updaters.RowwiseAdagrad, {}, "float32", {}),
          "Adam": (sparseopt.updaters.Adam, {}, "float32", {}),
@@ -70,6 +74,78 @@ def assert_same(got, want):
     for head, head_want in zip(got[1], want[1]):
         for w, w_want in zip(head, head_want):
             np.testing.assert_array_equal(w, w_want)
+
+
+def split_vocabularies(folder, sharded, whole_distribution):
+    """Open vocabularies on disk (`test_disk_vocabulary`'s model: ids of 40 values for
+    24-row maps; a float32 table whose ids not held read zeros, an int8 one whose read a
+    trained default row, the table's last, on its last shard) split by rows over the 4
+    devices, against the same ones on disk whole: the map split with the rows (6 entries
+    on each device), its hand-over, totals and held ids, every row and per-row slot, the
+    heads and `delta` end bit for bit; a save and a load; a capacity the split does not
+    divide is refused. (How each updater's rows and state train on disk is
+    `test_disk_vocabulary`'s; the shards route rows whatever the updater.)"""
+    chosen = ("RowwiseAdagrad:default", "RowwiseAdagrad:int8")
+    # (In the registry's order: int8 tables last, as `test_disk_vocabulary` trains them.)
+    cases = {name: case for name, case in VOCABULARY_CASES.items() if name in chosen}
+    runs = []
+    for name, distribution in (("vs", sharded), ("vw", whole_distribution)):
+        with distribution.scope():
+            runs.append(vocabulary_model(cases, lambda i, s: OnDisk(
+                os.path.join(folder, f"{name}{i}"), cache_rows=8, **s)))
+    (split, split_layers, split_heads), (whole, whole_layers, whole_heads) = runs
+    for layer in split_layers:
+        assert len(layer.embeddings.parts()) == 4, layer.embeddings
+        keys = layer.vocabulary.keys
+        assert len(keys.value.sharding.device_set) == 4
+        assert keys.value.addressable_shards[0].data.shape == (CAPACITY // 4, 2)
+    _set_heads(split_heads, _heads(whole_heads))
+    assert_same(state(split_layers, split_heads), state(whole_layers, whole_heads))
+    x, y = vocabulary_data(len(cases))
+    with sharded.scope():
+        split.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    with whole_distribution.scope():
+        whole.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert_same(state(split_layers, split_heads), state(whole_layers, whole_heads))
+    for name, s, w in zip(cases, split_layers, whole_layers):
+        assert s.held_ids() == w.held_ids() and len(s.held_ids()) > 0, name
+        for got, want in zip(s.vocabulary.variables, w.vocabulary.variables):
+            np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value),
+                                          err_msg=f"{name}: {want.path}")
+        assert s.vocabulary_stats() == w.vocabulary_stats(), name
+        assert s.vocabulary_stats()["evicted"] > 0, name  # (ids lost their rows)
+        assert s.disk_stats()["misses"] > 0, name
+        for since in (0, 3):  # (what a serving copy reads: the map's ids, their rows)
+            got, want = s.delta(since), w.delta(since)
+            for field, value in zip(want._fields, want):
+                np.testing.assert_array_equal(getattr(got, field), value,
+                                              err_msg=f"{name}: delta {field}")
+    # A save holds every shard's snapshot and the split map; trained further, a load
+    # brings both back.
+    weights = os.path.join(folder, "vocabularies.weights.h5")
+    trained = state(split_layers, split_heads)
+    maps = [[np.asarray(v.value).copy() for v in s.vocabulary.variables]
+            for s in split_layers]
+    with sharded.scope():
+        split.save_weights(weights)
+        split.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+        assert split_layers[0].vocabulary_stats() != whole_layers[0].vocabulary_stats()
+        split.load_weights(weights)
+    assert_same(state(split_layers, split_heads), trained)
+    for s, saved in zip(split_layers, maps):
+        for got, want in zip(s.vocabulary.variables, saved):
+            np.testing.assert_array_equal(np.asarray(got.value), want, err_msg=got.path)
+    # The map's split must divide its capacity: refused otherwise, naming the layer.
+    with sharded.scope():
+        odd = sparseopt.layers.DynamicEmbedding(
+            CAPACITY + 2, 3, sparseopt.updaters.SGD(0.1), name="odd",
+            storage=OnDisk(os.path.join(folder, "odd"), cache_rows=8))
+        try:
+            odd(keras.ops.zeros((2, 2), "int32"))
+        except ValueError as error:
+            assert "'odd'" in str(error) and f"capacity={CAPACITY + 4}" in str(error), error
+        else:
+            raise AssertionError("a map split unevenly was built")
 
 
 def main():
@@ -149,17 +225,7 @@ def main():
         per_step = history[f"disk_{key}_per_step"]
         assert abs(sum(per_step) * steps / 2 - total) <= 1e-6 * total and total > 0, key
 
-    # An open vocabulary on disk is not split yet: refused, naming it.
-    with sharded.scope():
-        vocabulary = sparseopt.layers.DynamicEmbedding(
-            40, 3, sparseopt.updaters.SGD(0.1), name="v",
-            storage=OnDisk(os.path.join(folder, "v"), cache_rows=8))
-        try:
-            vocabulary(keras.ops.zeros((2, 2), "int32"))
-        except ValueError as error:
-            assert "'v': the distribution splits its open vocabulary on disk" in str(error)
-        else:
-            raise AssertionError("a split open vocabulary on disk was built")
+    split_vocabularies(folder, sharded, whole_distribution)
     print("shards 4, equal")
 
 
