@@ -116,13 +116,15 @@ class DynamicEmbedding(SparseEmbedding):
         if self.int8 is not None and in_memory_split:
             raise ValueError(
                 f"DynamicEmbedding '{self.name}': an int8 open vocabulary split by rows over "
-                "devices is not supported yet. Split a float32 or bfloat16 one, or keep the "
-                "int8 one on each device (replicated).")
+                "devices is not supported yet in memory. Split a float32 or bfloat16 one, keep "
+                "the int8 one on each device (replicated), or keep it on disk "
+                "(storage=OnDisk(...): split, its rows are shards there).")
         if self.default_row == "trained" and in_memory_split:
             raise ValueError(
                 f"DynamicEmbedding '{self.name}': a trained default row makes the table "
                 f"capacity + 1 rows, which its map (capacity rows) cannot be split by rows "
-                f"with. On a table split by rows, use default_row='zeros'.")
+                f"with. On a table split by rows, use default_row='zeros', or keep the table "
+                f"on disk (storage=OnDisk(...): only its map is split over the devices).")
         # (On disk, rows given to new ids are written by the optimizer's step, int8 ones
         # too: `DiskRows.start`; in memory, an int8 table's are written by the next call.)
         self.vocabulary.build(self.embeddings_initializer, self._add_state,
@@ -318,15 +320,20 @@ class DynamicEmbedding(SparseEmbedding):
     def _check_shards(self, path, shards):
         # The map's arrays (a row each) are split with the table's rows over the devices
         # (`_add_state`), which JAX requires to divide evenly; the table's shards on
-        # disk need not (a trained default row makes it `capacity + 1` rows).
-        if self._capacity % shards:
-            fixed = -(-self._capacity // shards) * shards
-            raise ValueError(
-                f"DynamicEmbedding '{self.name}': the distribution splits its open vocabulary "
-                f"on disk ('{path}') by rows over {shards} devices, and its map with it, "
-                f"which must divide its capacity ({self._capacity}) evenly. Use capacity="
-                f"{fixed} (the next multiple of {shards}), or leave its path out of the "
-                "LayoutMap (it then trains data parallel, as one table).")
+        # disk need not (a trained default row makes it `capacity + 1` rows). Checked
+        # here, before any of the shards' files is opened.
+        sizes = {"capacity": self._capacity}
+        if self.vocabulary.admit_after > 1:  # (`admit_after`'s sightings map, split too)
+            sizes["count_capacity"] = self.vocabulary.count_capacity or self._capacity
+        for name, size in sizes.items():
+            if size % shards:
+                fixed = -(-size // shards) * shards
+                raise ValueError(
+                    f"DynamicEmbedding '{self.name}': the distribution splits its open "
+                    f"vocabulary on disk ('{path}') by rows over {shards} devices, and its "
+                    f"map with it, which must divide its {name} ({size}) evenly. Use "
+                    f"{name}={fixed} (the next multiple of {shards}), or leave its path out "
+                    "of the LayoutMap (it then trains data parallel, as one table).")
 
 
 class _DiskRows:

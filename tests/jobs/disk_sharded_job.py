@@ -88,6 +88,7 @@ def split_vocabularies(folder, sharded, whole_distribution):
     chosen = ("RowwiseAdagrad:default", "RowwiseAdagrad:int8")
     # (In the registry's order: int8 tables last, as `test_disk_vocabulary` trains them.)
     cases = {name: case for name, case in VOCABULARY_CASES.items() if name in chosen}
+    assert sorted(cases) == sorted(chosen), cases
     runs = []
     for name, distribution in (("vs", sharded), ("vw", whole_distribution)):
         with distribution.scope():
@@ -100,13 +101,20 @@ def split_vocabularies(folder, sharded, whole_distribution):
         assert len(keys.value.sharding.device_set) == 4
         assert keys.value.addressable_shards[0].data.shape == (CAPACITY // 4, 2)
     _set_heads(split_heads, _heads(whole_heads))
-    assert_same(state(split_layers, split_heads), state(whole_layers, whole_heads))
+    start = state(whole_layers, whole_heads)
+    assert_same(state(split_layers, split_heads), start)
     x, y = vocabulary_data(len(cases))
     with sharded.scope():
         split.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     with whole_distribution.scope():
         whole.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     assert_same(state(split_layers, split_heads), state(whole_layers, whole_heads))
+    # (The int8 table's ids not held read its trained default row, on its last shard:
+    # it trained, its codes or scale changed.)
+    default = split_layers[1].embeddings
+    assert any(not np.array_equal(default.numpy(c, [CAPACITY]), before[CAPACITY:])
+               for c, before in (("rows", start[0][1][0]), ("scale", start[0][1][1]["scale"]))
+               ), "the default row did not train"
     for name, s, w in zip(cases, split_layers, whole_layers):
         assert s.held_ids() == w.held_ids() and len(s.held_ids()) > 0, name
         for got, want in zip(s.vocabulary.variables, w.vocabulary.variables):
@@ -135,17 +143,23 @@ def split_vocabularies(folder, sharded, whole_distribution):
     for s, saved in zip(split_layers, maps):
         for got, want in zip(s.vocabulary.variables, saved):
             np.testing.assert_array_equal(np.asarray(got.value), want, err_msg=got.path)
-    # The map's split must divide its capacity: refused otherwise, naming the layer.
-    with sharded.scope():
-        odd = sparseopt.layers.DynamicEmbedding(
-            CAPACITY + 2, 3, sparseopt.updaters.SGD(0.1), name="odd",
-            storage=OnDisk(os.path.join(folder, "odd"), cache_rows=8))
-        try:
-            odd(keras.ops.zeros((2, 2), "int32"))
-        except ValueError as error:
-            assert "'odd'" in str(error) and f"capacity={CAPACITY + 4}" in str(error), error
-        else:
-            raise AssertionError("a map split unevenly was built")
+    # The map's split must divide its capacity, and its sightings map's: refused
+    # otherwise, naming the layer and the fix, before any file is opened.
+    for size, fix in ((dict(capacity=CAPACITY + 2), f"capacity={CAPACITY + 4}"),
+                      (dict(capacity=CAPACITY, admit_after=2, count_capacity=10),
+                       "count_capacity=12")):
+        odd_folder = os.path.join(folder, "odd")
+        with sharded.scope():
+            odd = sparseopt.layers.DynamicEmbedding(
+                output_dim=3, updater=sparseopt.updaters.SGD(0.1), name="odd",
+                storage=OnDisk(odd_folder, cache_rows=8), **size)
+            try:
+                odd(keras.ops.zeros((2, 2), "int32"))
+            except ValueError as error:
+                assert "'odd'" in str(error) and fix in str(error), error
+            else:
+                raise AssertionError(f"a map split unevenly was built: {size}")
+        assert not os.path.exists(odd_folder), os.listdir(odd_folder)
 
 
 def main():
