@@ -262,7 +262,8 @@ def test_a_file_of_an_open_vocabulary_in_memory_is_refused_on_disk(tmp_path):
 
 @pytest.mark.parametrize("on_disk", [True, False])
 def test_an_open_vocabulary_is_exported_with_its_rows(tmp_path, on_disk):
-    # (In memory too: the map's writes run natively in a step, never in an export.)
+    # (In memory too. The map's hand-over is written before the export traces the model:
+    # the served function only reads the map, DynamicEmbedding.variables.)
     x, y = _data(1, rows=48)
     model, layer = _one(tmp_path / "v", default_row="trained", on_disk=on_disk)
     model.fit(x, y, batch_size=8, shuffle=False, verbose=0)

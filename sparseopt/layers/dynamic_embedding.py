@@ -1,10 +1,12 @@
 """`DynamicEmbedding`: a table keyed by raw ids, with admission and eviction."""
 
+import weakref
+
 import keras
 import numpy as np
 from keras import ops
 
-from sparseopt import backend, distribution
+from sparseopt import backend, compat, distribution
 from sparseopt.layers.sparse_embedding import SparseEmbedding, snapshot_of
 from sparseopt.ops.lookup import PlainOptimizerGuard, check_ids_dtype, layer_state
 from sparseopt.vocabulary import keys as keys_lib
@@ -95,6 +97,7 @@ class DynamicEmbedding(SparseEmbedding):
                          storage, **kwargs)
         new_rows.check(self.embeddings_initializer, self.name)
         self.key_halves = bool(key_halves)
+        self._exported_map = None  # (the export the map's hand-over was written for)
         self.vocabulary = OpenVocabulary(
             capacity, probes=probes, admit_probability=admit_probability, eviction=eviction,
             ttl=ttl, seed=seed, admissions_per_step=admissions_per_step,
@@ -211,6 +214,20 @@ class DynamicEmbedding(SparseEmbedding):
         return keras.tree.map_structure(
             lambda f: keras.KerasTensor(self.compute_output_shape(f.shape),
                                         dtype=self.compute_dtype), ids)
+
+    @property
+    def variables(self):
+        """Keras' `Layer.variables` (a table on disk's rows added in an export:
+        `SparseEmbedding.variables`). When Keras exports the model, the map's hand-over
+        is written first (once an export), so the exported map is current and the
+        served function only reads it (`OpenVocabulary.rows_for`)."""
+        archive = compat.exporting() if self.built else None
+        if archive is not None and (self._exported_map is None
+                                    or self._exported_map() is not archive):
+            with backend.outside_trace():
+                self.vocabulary.write_map_hand_over()
+            self._exported_map = weakref.ref(archive)
+        return super().variables
 
     @property
     def _int8_in_memory(self):

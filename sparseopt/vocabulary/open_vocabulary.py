@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from keras import ops
 
-from sparseopt import backend, halves
+from sparseopt import backend, compat, halves
 from sparseopt.storage import precision
 from sparseopt.vocabulary import counters, export, id_map, keys, new_rows, pending
 from sparseopt.vocabulary.frequency import Frequencies
@@ -224,12 +224,16 @@ class OpenVocabulary:
     def rows_for(self, high, low, training):
         """The rows of the ids `(high, low)` (int32 `[N]` each; -1: not held).
 
-        Writes the hand-over of the last applied step into the map first. In
-        training also advances the clock, marks the rows found as seen and
-        chooses rows for new ids: returns `(rows, Proposals)`; else
-        `(rows, None)`.
+        Writes the hand-over of the last applied step into the map first
+        (except in a model being exported: its layer wrote it before, so the
+        served function only reads the map). In training also advances the
+        clock, marks the rows found as seen and chooses rows for new ids:
+        returns `(rows, Proposals)`; else `(rows, None)`.
         """
-        self._write_pending()
+        # (A SavedModel serves one device: a map split by rows would be written
+        # inside `shard_map` over the training's devices, which it cannot run.)
+        if training or compat.exporting() is None:
+            self._write_pending()
         step = self.steps.value
         if training:
             step = step + 1
@@ -341,6 +345,11 @@ class OpenVocabulary:
         fresh = new_rows.initial_rows(self.initializer, rows, self.int8.codes.shape[1], step,
                                       self.seed)
         self.int8.write(rows, fresh, keep)
+
+    def write_map_hand_over(self):
+        """Between steps (export): the last applied step's choices written into the map,
+        as the next call writes them (again is harmless)."""
+        self._write_pending()
 
     def write_hand_over(self):
         """Between steps (export): an int8 table's buffered rows and rows given to new

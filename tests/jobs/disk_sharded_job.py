@@ -18,7 +18,8 @@ under `DataParallel` (the tables whole; the same batch split over the same devic
   shard back; a file of the split tables refuses to load into the whole ones;
 - `BackupAndRestore` backs every shard up and removes every shard's snapshots with its
   backups; `TableHealth` reports the split tables' times summed over their shards;
-- open vocabularies on disk split by rows (their maps split with them) train as whole.
+- open vocabularies on disk split by rows (their maps split with them) train as whole,
+  and exported serve on one device what they predict.
 
 Prints "shards 4, equal" where all holds (an AssertionError otherwise).
 """
@@ -82,8 +83,8 @@ def split_vocabularies(folder, sharded, whole_distribution):
     trained default row, the table's last, on its last shard) split by rows over the 4
     devices, against the same ones on disk whole: the map split with the rows (6 entries
     on each device), its hand-over, totals and held ids, every row and per-row slot, the
-    heads and `delta` end bit for bit; a save and a load; a capacity the split does not
-    divide is refused. (How each updater's rows and state train on disk is
+    heads and `delta` end bit for bit; exported, it serves on one device what it predicts;
+    a save and a load; sizes the split does not divide are refused. (How each updater's rows and state train on disk is
     `test_disk_vocabulary`'s; the shards route rows whatever the updater.)"""
     chosen = ("RowwiseAdagrad:default", "RowwiseAdagrad:int8")
     # (In the registry's order: int8 tables last, as `test_disk_vocabulary` trains them.)
@@ -128,6 +129,21 @@ def split_vocabularies(folder, sharded, whole_distribution):
             for field, value in zip(want._fields, want):
                 np.testing.assert_array_equal(getattr(got, field), value,
                                               err_msg=f"{name}: delta {field}")
+    # Exported, it serves on one device what the split model predicts (the map's
+    # hand-over written before the export: the served function only reads the map).
+    want = np.asarray(split.predict(x[:16], batch_size=16, verbose=0))
+    # (Keras exports through TensorFlow, which the JAX children's start-up hides:
+    # tests/jax_children/sitecustomize.py. Imported here, for this export only.)
+    sys.modules.pop("tensorflow", None)
+    with sharded.scope():
+        split.export(os.path.join(folder, "served"), verbose=False)
+    import tensorflow as tf  # (the SavedModel, served by TensorFlow itself)
+
+    served = tf.saved_model.load(os.path.join(folder, "served"))
+    # (TensorFlow's XLA compiles the served program: to its rounding.)
+    np.testing.assert_allclose(served.serve(tf.constant(x[:16])).numpy(), want, rtol=1e-5,
+                               atol=1e-6)
+    assert not np.allclose(want, want[0])  # (held ids and the default row differ)
     # A save holds every shard's snapshot and the split map; trained further, a load
     # brings both back.
     weights = os.path.join(folder, "vocabularies.weights.h5")
