@@ -9,6 +9,7 @@ Checked against: keras 3.15.1, tensorflow 2.21.0, jax 0.10.2, keras-rs 0.4.0
 """
 
 import contextlib
+import os
 import re
 import sys
 
@@ -407,9 +408,18 @@ def exporting():
     call stack. Recognized by its classes' names and modules (`ExportArchive`,
     `SavedModelExportArchive`, each backend's `TFExportArchive`,
     `JaxExportArchive`), without importing them: they import TensorFlow.
+
+    Only the frames of Keras' export modules are read: reading a frame's
+    locals makes Python keep a copy of them with the frame, so a caller's
+    `del model` would no longer free its model while that frame lives (this
+    runs often, for every check of a native kernel while a step is traced).
     """
     frame = sys._getframe(1)
     while frame is not None:
+        filename = frame.f_code.co_filename
+        if not (filename.startswith(_KERAS_SOURCES) and "export" in filename):
+            frame = frame.f_back
+            continue
         owner = frame.f_locals.get("self")
         if owner is not None and any(
                 c.__name__.endswith("ExportArchive") and c.__module__.startswith("keras.")
@@ -417,6 +427,10 @@ def exporting():
             return owner
         frame = frame.f_back
     return None
+
+
+# Where Keras' own modules are (its export archives' methods among them).
+_KERAS_SOURCES = os.path.dirname(os.path.abspath(keras.__file__))
 
 
 def _wraps(outer, inner):
@@ -453,6 +467,36 @@ def in_xla_context():
     from tensorflow.python.ops import control_flow_util
 
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def forget_custom_gradient(output):
+    """Drops TensorFlow's global registration of the `tf.custom_gradient` whose result
+    is `output`, traced in a graph (nothing eager).
+
+    In a graph, `tf.custom_gradient` registers its gradient function under a
+    name of its own (`CustomGradient-<n>`) in TensorFlow's gradient registry,
+    for good: the function holds the forward's result tensors, hence their
+    graph and every model traced through it, for the process's life. A
+    `GradientTape` (how Keras and training loops differentiate) takes the
+    gradient function from the tape, not from the registry, and a SavedModel
+    skips an op type the registry does not know; only a symbolic
+    `tf.gradients` of the op would need the entry.
+
+    Relies on: the IdentityN op that makes `output` naming the registered
+    function in its `_gradient_op_type` attribute, and the registry's
+    `_registry` dict (`tensorflow.python.framework.ops.gradient_registry`).
+    """
+    import tensorflow as tf
+    from tensorflow.python.framework import ops
+
+    if tf.executing_eagerly() or not hasattr(output, "op"):
+        return
+    try:
+        name = output.op.get_attr("_gradient_op_type")
+    except ValueError:  # (not a custom gradient's op)
+        return
+    name = name.decode() if isinstance(name, bytes) else name
+    ops.gradient_registry._registry.pop(name, None)
 
 
 # -- keras-rs ----------------------------------------------------------------

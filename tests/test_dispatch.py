@@ -549,3 +549,35 @@ def test_build_never_walks_the_heap(monkeypatch):
     other, _ = table_model(VOCAB, WIDTH, N_IDS, sparseopt.updaters.SGD(0.1), name="other")
     wrapped.build(other.trainable_variables)  # the wrapper is found without gc too
     assert wrapped.inner_optimizer.loss_scaling_wrapper is wrapped
+
+
+def test_a_trained_model_dropped_lets_its_tables_and_traces_go():
+    """A model trained by `fit` (and run by `predict`) then dropped is freed, its tables
+    with it: nothing global keeps its traced steps. (TensorFlow's `tf.custom_gradient`
+    registers each trace's gradient function for good, holding that trace's graph and,
+    through the lookup's closure, every table it reads: a process that trained model
+    after model kept them all.)"""
+    import gc
+    import weakref
+
+    x, y = regression_data(0, steps=4)
+    dense = sparseopt.layers.SparseEmbedding(VOCAB, WIDTH, sparseopt.updaters.Adagrad(0.1))
+    dynamic = sparseopt.layers.DynamicEmbedding(64, WIDTH, sparseopt.updaters.Adagrad(0.1))
+    ids = keras.Input((N_IDS,), dtype="int32")
+    out = keras.layers.Concatenate()([keras.layers.Flatten()(dense(ids)),
+                                      keras.layers.Flatten()(dynamic(ids))])
+    model = keras.Model(ids, keras.layers.Dense(1)(out))
+    model.compile(optimizer=sparseopt.DispatchOptimizer(keras.optimizers.Adam(0.01)),
+                  loss="mse")
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+    model.predict(x[:BATCH], verbose=0)
+    gone = [weakref.ref(v) for v in (dense.embeddings, dynamic.embeddings,
+                                     dynamic.vocabulary.keys)]
+    del model, dense, dynamic, ids, out
+    keras.backend.clear_session(free_memory=False)
+    if keras.backend.backend() == "jax":
+        import jax
+
+        jax.clear_caches()  # (JAX's own caches of the compiled steps hold them until then)
+    gc.collect()
+    assert [g() is None for g in gone] == [True] * len(gone)

@@ -39,7 +39,11 @@ def tap(rows, probe, ids, on_backward, aux=None, marks=True):
 
         return tf.identity(rows), grad
 
-    return _tap(rows, probe)
+    out = _tap(rows, probe)
+    # (Its gradient comes from the tape: TF's global registration of it would keep
+    # this trace's graph, and the model's tables it reads, alive for good.)
+    compat.forget_custom_gradient(out)
+    return out
 
 
 # Keras' TF train step differentiates `model.trainable_weights` only: a
@@ -165,8 +169,13 @@ def compiled(fn):
     4.3 ms op by op and 1.2 ms compiled. Each variable argument is passed as
     this replica's copy (`local`), read in place. Eager, or inside an XLA
     cluster already: `fn` as it is.
+
+    A program of its own for each trace that asks for one: it lives as long as
+    the traced step that calls it. (One kept for `fn` for the process's life
+    kept every model's traces of it, their graphs and the variables they read:
+    1.16M live objects after 70 tests, measured, and growing.)
     """
-    program = _COMPILED.setdefault(fn, tf.function(fn, jit_compile=True, autograph=False))
+    program = tf.function(fn, jit_compile=True, autograph=False)
 
     def call(*args):
         if tf.executing_eagerly() or compat.in_xla_context():
@@ -174,9 +183,6 @@ def compiled(fn):
         return program(*(local(a) if isinstance(a, keras.Variable) else a for a in args))
 
     return call
-
-
-_COMPILED = {}
 
 
 def gather_from_resource(variable, ids):
