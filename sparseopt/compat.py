@@ -403,7 +403,7 @@ def exporting():
     the call stack, or None.
 
     Keras tells a layer nothing of an export: it reads the layer's variables
-    (`ExportArchive.track`), then traces its call (`add_endpoint`). Both run
+    (`ExportArchive.track`), then traces its call (`add_endpoint`, `write_out`). Both run
     inside a method of the archive, so it is the `self` of a frame on the
     call stack. Recognized by its classes' names and modules (`ExportArchive`,
     `SavedModelExportArchive`, each backend's `TFExportArchive`,
@@ -417,7 +417,8 @@ def exporting():
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not (filename.startswith(_KERAS_SOURCES) and "export" in filename):
+        if not (filename.startswith(_KERAS_SOURCES)
+                and "export" in filename[len(_KERAS_SOURCES):]):
             frame = frame.f_back
             continue
         owner = frame.f_locals.get("self")
@@ -430,7 +431,7 @@ def exporting():
 
 
 # Where Keras' own modules are (its export archives' methods among them).
-_KERAS_SOURCES = os.path.dirname(os.path.abspath(keras.__file__))
+_KERAS_SOURCES = os.path.dirname(os.path.abspath(keras.__file__)) + os.sep
 
 
 def _wraps(outer, inner):
@@ -477,14 +478,17 @@ def forget_custom_gradient(output):
     name of its own (`CustomGradient-<n>`) in TensorFlow's gradient registry,
     for good: the function holds the forward's result tensors, hence their
     graph and every model traced through it, for the process's life. A
-    `GradientTape` (how Keras and training loops differentiate) takes the
-    gradient function from the tape, not from the registry, and a SavedModel
-    skips an op type the registry does not know; only a symbolic
-    `tf.gradients` of the op would need the entry.
+    `GradientTape` in the same graph (how Keras and training loops
+    differentiate a step) takes the function from the tape, and a SavedModel
+    skips an op type the registry does not know. Only a gradient taken
+    symbolically through the op needs the entry (an outer tape over a
+    `tf.function` or `tf.cond` that holds it, `tf.gradients`): that raises
+    TensorFlow's `LookupError` now (docs/backends.md).
 
     Relies on: the IdentityN op that makes `output` naming the registered
     function in its `_gradient_op_type` attribute, and the registry's
-    `_registry` dict (`tensorflow.python.framework.ops.gradient_registry`).
+    `_registry` dict (`tensorflow.python.framework.ops.gradient_registry`);
+    where either differs, the registration is left as TensorFlow made it.
     """
     import tensorflow as tf
     from tensorflow.python.framework import ops
@@ -496,7 +500,9 @@ def forget_custom_gradient(output):
     except ValueError:  # (not a custom gradient's op)
         return
     name = name.decode() if isinstance(name, bytes) else name
-    ops.gradient_registry._registry.pop(name, None)
+    registry = getattr(ops.gradient_registry, "_registry", None)
+    if isinstance(registry, dict):
+        registry.pop(name, None)
 
 
 # -- keras-rs ----------------------------------------------------------------
