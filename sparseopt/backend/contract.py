@@ -129,8 +129,8 @@ CONTRACT = {
     "sum_over_replicas": "`sum_over_replicas(value)`: a value summed over the replicas.",
     "compiled": "`compiled(fn)`: `fn` (static shapes; Keras variables among its arguments) "
                 "run as one compiled program where the backend otherwise runs op by op (TF: "
-                "XLA, a program per call, compiled with the step that traces it); `fn` itself "
-                "where the whole step is compiled (JAX).",
+                "XLA, one program per `fn`, compiled per input shape); `fn` itself where the "
+                "whole step is compiled (JAX).",
     "gather_over_replicas": "`gather_over_replicas(values)`: `([each of the arrays values "
                             "(one first dimension N_i), every replica's in replica order], "
                             "where this replica's start)` (`(values, 0)` outside replicas).",
